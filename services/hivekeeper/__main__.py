@@ -1,0 +1,3 @@
+from hivekeeper.cli import main
+
+raise SystemExit(main())

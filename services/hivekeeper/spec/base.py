@@ -1,0 +1,21 @@
+"""Base model for every manifest section: camelCase fields on the wire, snake_case in
+Python, unknown fields rejected, values validated on assignment."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
+
+
+class SpecModel(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_assignment=True,
+        frozen=False,
+    )
+
+    def to_manifest(self) -> dict:
+        """The camelCase form, as it appears in a manifest (defaults included)."""
+        return self.model_dump(by_alias=True, mode="json")
