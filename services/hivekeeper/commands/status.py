@@ -1,0 +1,59 @@
+"""`hivekeeper status [RUN_DIR]`: the live state of a local run, read from its monitor."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from hivekeeper.errors import UserError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("status", help="show the live state of a local run")
+    parser.add_argument("run_dir", nargs="?", default=None, help="the run directory (default: the newest under runs/)")
+    parser.add_argument("--json", action="store_true", help="print the monitor's status as JSON once")
+    parser.add_argument("--watch", action="store_true", help="refresh every second until interrupted")
+    parser.set_defaults(handler=run)
+
+
+def _newest_run() -> Path:
+    runs = sorted(Path("runs").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        raise UserError("no run directory given and none found under runs/")
+    return runs[-1].parent
+
+
+def run(args: argparse.Namespace) -> int:
+    from hivekeeper.local.progress import describe_round, fetch_status
+
+    run_dir = Path(args.run_dir) if args.run_dir else _newest_run()
+    summary_path = run_dir / "summary.json"
+    port = _monitor_port(run_dir)
+    while True:
+        status = fetch_status(port) if port else None
+        if status is None:
+            if summary_path.exists():
+                summary = json.loads(summary_path.read_text())
+                print(json.dumps(summary, indent=2) if args.json else
+                      f"{run_dir}: {summary['state']} at step {summary['globalStep']}, metrics {summary['metrics']}")
+                return 0
+            raise UserError(f"{run_dir}: no monitor answers and no summary.json: is the run up?")
+        if args.json:
+            print(json.dumps(status, indent=2))
+            return 0
+        evals = ", ".join(f"{k} {v:.4f}" for k, v in (status.get("evalMetrics") or {}).items())
+        print(f"step {status['globalStep']}  loss {status.get('loss')}  {status.get('samplesPerSecond', 0):.0f} "
+              f"samples/s  peers {status.get('peersAlive')}  last round: {describe_round(status.get('lastRound'))}  "
+              f"held-out: {evals or '-'}")
+        if not args.watch:
+            return 0
+        time.sleep(1.0)
+
+
+def _monitor_port(run_dir: Path) -> int | None:
+    ports = run_dir / "ports.json"
+    if ports.exists():
+        return json.loads(ports.read_text()).get("monitor-0")
+    return None

@@ -1,0 +1,35 @@
+"""`hivekeeper up MANIFEST`: run a manifest on this machine, no cluster needed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("up", help="run a manifest locally as supervised processes on 127.0.0.1")
+    parser.add_argument("manifest", help="a Swarm manifest (YAML)")
+    parser.add_argument("--run-dir", default=None, help="where logs, checkpoints and summary.json go "
+                        "(default: runs/NAME-TIMESTAMP)")
+    parser.add_argument("--json", action="store_true", help="print the final summary as JSON on stdout")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hivekeeper.spec import load_manifest
+
+    manifest = load_manifest(args.manifest)  # bad input: one line, exit 2, nothing started
+    run_dir = Path(args.run_dir or f"runs/{manifest.metadata.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+    from hivekeeper.local.runner import run_locally
+
+    summary = run_locally(manifest, run_dir)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        metrics = ", ".join(f"{k} {v:.4f}" for k, v in summary["metrics"].items())
+        print(f"{summary['state']}: step {summary['globalStep']}, {metrics or 'no metrics'}, "
+              f"{summary['wallSeconds']:.0f}s, {summary['restarts']} restarts -> {run_dir / 'summary.json'}")
+    return {"completed": 0, "interrupted": 130}.get(summary["state"], 1)

@@ -1,0 +1,111 @@
+"""Live progress of a local run: the collaboration's figures from the monitor's /status, and
+each process with its state, restarts and metrics address. A table that refreshes on a
+terminal; one line every few seconds otherwise (CI logs, pipes)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from typing import Any, Optional
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from hivekeeper.local.supervisor import Supervisor
+
+
+def fetch_status(port: int, timeout: float = 1.0) -> Optional[dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=timeout) as reply:
+            return json.loads(reply.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    if value is None:
+        return "-"
+    return format(value, spec) if spec else str(value)
+
+
+def describe_round(last_round: Optional[dict[str, Any]]) -> str:
+    if not last_round:
+        return "-"
+    ago = time.time() - last_round.get("time", time.time())
+    return f"{last_round['outcome']} ({last_round['groupSize']} peers, {last_round['seconds']:.2f}s, {ago:.0f}s ago)"
+
+
+class ProgressView:
+    def __init__(self, name: str, supervisor: Supervisor, target_steps: Optional[int], console: Console | None = None):
+        self.name = name
+        self.supervisor = supervisor
+        self.target_steps = target_steps
+        self.console = console or Console(stderr=True)
+        self.interactive = self.console.is_terminal
+        self._live: Optional[Live] = None
+        self._last_line = 0.0
+        self.started = time.monotonic()
+
+    def __enter__(self) -> "ProgressView":
+        if self.interactive:
+            self._live = Live(console=self.console, refresh_per_second=2, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exc)
+
+    def update(self, status: Optional[dict[str, Any]]) -> None:
+        if self._live is not None:
+            self._live.update(self._render(status))
+        elif time.monotonic() - self._last_line >= 5.0:
+            self._last_line = time.monotonic()
+            self.console.print(self._line(status), highlight=False, soft_wrap=True)
+
+    def _line(self, status: Optional[dict[str, Any]]) -> str:
+        elapsed = time.monotonic() - self.started
+        if not status:
+            return f"[{elapsed:5.0f}s] {self.name}: starting ({self._process_summary()})"
+        peers = status.get("peersAlive", {})
+        evals = " ".join(f"{k}={v:.4f}" for k, v in (status.get("evalMetrics") or {}).items())
+        return (
+            f"[{elapsed:5.0f}s] step {status['globalStep']}{self._of_target()}  loss {_fmt(status.get('loss'), '.4f')}  "
+            f"{status.get('samplesPerSecond', 0):.0f} samples/s  peers {sum(peers.values())}  "
+            f"eval@{status.get('evalStep')} {evals or '-'}  restarts {self.supervisor.restarts}"
+        )
+
+    def _of_target(self) -> str:
+        return f"/{self.target_steps}" if self.target_steps else ""
+
+    def _process_summary(self) -> str:
+        states = [child.state for child in self.supervisor.children]
+        return ", ".join(f"{states.count(s)} {s}" for s in sorted(set(states)))
+
+    def _render(self, status: Optional[dict[str, Any]]) -> Group:
+        summary = Table.grid(padding=(0, 2))
+        summary.add_column(style="bold")
+        summary.add_column()
+        elapsed = time.monotonic() - self.started
+        summary.add_row("swarm", f"{self.name}  ({elapsed:.0f}s)")
+        if status:
+            summary.add_row("global step", f"{status['globalStep']}{self._of_target()}")
+            summary.add_row("loss", _fmt(status.get("loss"), ".4f"))
+            summary.add_row("samples/s", f"{status.get('samplesPerSecond', 0):.0f} (whole collaboration)")
+            summary.add_row("peers alive", ", ".join(f"{n} {r}" for r, n in sorted(status.get("peersAlive", {}).items())))
+            summary.add_row("last averaging", describe_round(status.get("lastRound")))
+            evals = ", ".join(f"{k} {v:.4f}" for k, v in (status.get("evalMetrics") or {}).items())
+            summary.add_row("held-out", f"{evals or '-'} (step {status.get('evalStep')})")
+        else:
+            summary.add_row("status", "waiting for the monitor...")
+        processes = Table(title=None, box=None, header_style="bold dim")
+        for column in ("process", "pid", "state", "restarts", "metrics"):
+            processes.add_column(column)
+        for child in self.supervisor.children:
+            pid = str(child.process.pid) if child.process is not None else "-"
+            url = f"http://127.0.0.1:{child.role.ports['metrics']}/metrics"
+            processes.add_row(child.role.name, pid, child.state, str(child.restarts), url)
+        return Group(summary, processes)

@@ -1,0 +1,114 @@
+"""`hivekeeper up`: run a manifest's roles as supervised processes on loopback until the
+monitor says the run is done, then write DIR/summary.json."""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from hivekeeper.local.identity import ensure_identity
+from hivekeeper.local.network import LocalNetwork
+from hivekeeper.local.progress import ProgressView, fetch_status
+from hivekeeper.local.supervisor import Supervisor
+from hivekeeper.spec import Manifest
+from hivekeeper.topology import METRICS, swarm_roles
+
+POLL_SECONDS = 0.5
+
+
+def prepare_run(manifest: Manifest, run_dir: Path) -> tuple[Path, list]:
+    """Write the rendered manifest and backbone keys, and lay out every role."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    manifest_path = run_dir / "manifest.json"
+    manifest_path.write_text(json.dumps(manifest.model_dump(by_alias=True, mode="json", exclude_none=True), indent=2))
+    network = LocalNetwork(run_dir)
+    peer_ids = [
+        ensure_identity(Path(network.identity_path(f"backbone-{i}"))) for i in range(manifest.spec.backbone.replicas)
+    ]
+    roles = swarm_roles(manifest, network, peer_ids, str(manifest_path.resolve()), str(run_dir.resolve()))
+    (run_dir / "ports.json").write_text(json.dumps({role.name: role.ports[METRICS] for role in roles}, indent=2))
+    return manifest_path, roles
+
+
+def run_locally(manifest: Manifest, run_dir: Path, console: Console | None = None) -> dict[str, Any]:
+    console = console or Console(stderr=True)
+    started = time.time()
+    _, roles = prepare_run(manifest, run_dir)
+    (run_dir / "result.json").unlink(missing_ok=True)
+    supervisor = Supervisor(roles, run_dir / "logs")
+    monitor = next((r for r in roles if r.completes_run), None)
+
+    console.print(f"[bold]{manifest.metadata.name}[/]: {len(roles)} processes, run directory {run_dir}")
+    for role in roles:
+        console.print(f"  {role.name:<12} metrics http://127.0.0.1:{role.ports[METRICS]}/metrics", highlight=False)
+
+    interrupted = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: interrupted.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    completed = False
+    try:
+        supervisor.start(ready_first=("backbone",))
+        with ProgressView(manifest.metadata.name, supervisor, manifest.spec.stopping.target_steps, console) as view:
+            while not interrupted.is_set():
+                if supervisor.poll():
+                    completed = True
+                    break
+                view.update(fetch_status(monitor.ports[METRICS]) if monitor else None)
+                interrupted.wait(POLL_SECONDS)
+    finally:
+        console.print("stopping all processes..." if not completed else "run complete; stopping peers...")
+        supervisor.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    summary = build_summary(manifest, run_dir, supervisor, started, completed, interrupted.is_set())
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def build_summary(manifest: Manifest, run_dir: Path, supervisor: Supervisor, started: float, completed: bool,
+                  interrupted: bool) -> dict[str, Any]:
+    result_path = run_dir / "result.json"
+    result = json.loads(result_path.read_text()) if completed and result_path.exists() else {}
+    rates = [entry["samplesPerSecond"] for entry in _history(run_dir) if entry.get("samplesPerSecond")]
+    return {
+        "name": manifest.metadata.name,
+        "kind": manifest.kind,
+        "state": "completed" if result else ("interrupted" if interrupted else "failed"),
+        "reason": result.get("reason"),
+        "globalStep": result.get("globalStep"),
+        "wallSeconds": round(time.time() - started, 2),
+        "restarts": supervisor.restarts,
+        "metrics": result.get("metrics", {}),
+        "samplesPerSecond": round(statistics.median(rates), 1) if rates else None,
+        "checkpoint": result.get("checkpoint"),
+        "losses": result.get("losses", {}),
+        "processes": {
+            child.role.name: {
+                "restarts": child.restarts,
+                "exitCodes": child.exit_codes,
+                "metrics": f"http://127.0.0.1:{child.role.ports[METRICS]}/metrics",
+                "log": str(child.log_path),
+            }
+            for child in supervisor.children
+        },
+    }
+
+
+def _history(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "history.jsonl"
+    if not path.exists():
+        return []
+    entries = []
+    for line in path.read_text().splitlines():
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a kill
+    return entries

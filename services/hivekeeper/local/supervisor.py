@@ -1,0 +1,153 @@
+"""Supervised child processes for `hivekeeper up`: start each role, restart a crashed one with
+exponential backoff, and stop them all (SIGTERM, then SIGKILL of the whole process group, which
+takes any p2pd a child left behind) within a deadline."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from hivekeeper.topology import Role
+
+log = logging.getLogger("hivekeeper.supervisor")
+
+BACKOFF_START = 1.0
+BACKOFF_MAX = 30.0
+STABLE_SECONDS = 60.0  # a child that ran this long gets its backoff reset
+
+
+@dataclass
+class Child:
+    role: Role
+    log_path: Path
+    process: Optional[subprocess.Popen] = None
+    restarts: int = 0
+    started_at: float = 0.0
+    next_start: float = 0.0
+    backoff: float = BACKOFF_START
+    exit_codes: list[int] = field(default_factory=list)
+    finished: bool = False  # exited 0 and is not to be restarted
+
+    @property
+    def state(self) -> str:
+        if self.finished:
+            return "done"
+        if self.process is not None and self.process.poll() is None:
+            return "running"
+        return "restarting" if self.exit_codes else "starting"
+
+
+class Supervisor:
+    def __init__(self, roles: Sequence[Role], log_dir: Path, command: Sequence[str] | None = None,
+                 env: dict[str, str] | None = None):
+        self.command = list(command or [sys.executable, "-m", "hivekeeper", "run"])
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.children = [Child(role, log_dir / f"{role.name}.log") for role in roles]
+
+    def start(self, ready_first: Sequence[str] = (), ready_timeout: float = 60.0) -> None:
+        """Start every child; the components in `ready_first` (the backbone, which the others
+        bootstrap from) start first and must answer /readyz before the rest start."""
+        first = [c for c in self.children if c.role.component in ready_first]
+        for child in first:
+            self._spawn(child)
+        deadline = time.monotonic() + ready_timeout
+        for child in first:
+            while not _is_ready(child.role.ports.get("metrics")):
+                if child.process is not None and child.process.poll() is not None:
+                    raise RuntimeError(f"{child.role.name} exited during start-up; see {child.log_path}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{child.role.name} not ready after {ready_timeout:.0f}s; see {child.log_path}")
+                time.sleep(0.2)
+        for child in self.children:
+            if child not in first:
+                self._spawn(child)
+
+    def _spawn(self, child: Child) -> None:
+        with open(child.log_path, "ab") as log_file:
+            # Its own session: Ctrl-C reaches only the runner, which then stops children in order,
+            # and killpg() reaches the child's p2pd too.
+            child.process = subprocess.Popen(
+                [*self.command, *child.role.args], stdout=log_file, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=self.env, start_new_session=True,
+            )
+        child.started_at = time.monotonic()
+
+    def poll(self) -> list[Child]:
+        """Restart crashed children whose backoff has passed; return children that completed the run."""
+        now = time.monotonic()
+        completed = []
+        for child in self.children:
+            process = child.process
+            if child.finished:
+                continue
+            if process is not None and process.poll() is not None:
+                code = process.returncode
+                child.exit_codes.append(code)
+                child.process = None
+                _kill_group(process.pid)  # leftovers (p2pd) of the dead child
+                if code == 0 and (child.role.completes_run or not child.role.restart):
+                    child.finished = True
+                    if child.role.completes_run:
+                        completed.append(child)
+                    continue
+                if now - child.started_at > STABLE_SECONDS:
+                    child.backoff = BACKOFF_START
+                child.next_start = now + child.backoff
+                log.warning("%s exited with %s; restarting in %.0fs", child.role.name, code, child.backoff)
+                child.backoff = min(child.backoff * 2, BACKOFF_MAX)
+            if child.process is None and not child.finished and now >= child.next_start and child.role.restart:
+                child.restarts += 1
+                self._spawn(child)
+        return completed
+
+    @property
+    def restarts(self) -> int:
+        return sum(child.restarts for child in self.children)
+
+    def stop(self, timeout: float = 8.0) -> None:
+        """SIGTERM everyone, wait up to `timeout`, then SIGKILL the process groups."""
+        running = [c.process for c in self.children if c.process is not None and c.process.poll() is None]
+        for process in running:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout
+        for process in running:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for child in self.children:
+            if child.process is not None:
+                _kill_group(child.process.pid)
+                try:
+                    child.process.wait(2.0)
+                except subprocess.TimeoutExpired:
+                    pass
+
+
+def _is_ready(port: Optional[int]) -> bool:
+    if not port:
+        return True
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1.0) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

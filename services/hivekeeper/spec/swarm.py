@@ -1,0 +1,126 @@
+"""The Swarm resource (DeDLOC collaborative training): one typed source of truth.
+
+The CRD schema in crds/ is generated from these models (`hivekeeper.spec.crd`), so a field
+added here is a field the cluster accepts."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from hivekeeper.spec.base import SpecModel
+
+CompressionName = Literal["none", "float16", "uniform8bit", "blockwise8bit"]
+
+
+class TaskSpec(SpecModel):
+    """What to train: a built-in task, or `module:factory` returning a `hivekeeper.tasks.Task`."""
+
+    name: str = Field("digits", description="built-in task (digits, causal-lm) or 'module:factory'")
+    options: dict[str, Any] = Field(default_factory=dict, description="task-specific options, checked by the task")
+    seed: int = Field(0, ge=0, description="seed of the model initialization and the data split")
+
+
+class OptimizerSpec(SpecModel):
+    name: Literal["adam", "adamw", "sgd"] = "adam"
+    learning_rate: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    momentum: float = Field(0.0, ge=0, lt=1, description="sgd only")
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, in global steps")
+    clip_grad_norm: Optional[float] = Field(None, gt=0)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError("each beta must be in [0, 1)")
+        return betas
+
+
+class Resources(SpecModel):
+    cpu: str = Field("1", description="CPU request, Kubernetes quantity")
+    memory: str = Field("2Gi", description="memory request, Kubernetes quantity")
+    gpu: int = Field(0, ge=0, description="GPUs per pod (nvidia.com/gpu)")
+
+
+class BackboneSpec(SpecModel):
+    replicas: int = Field(1, ge=1, description="DHT peers with stable identities that others bootstrap from")
+
+
+class TrainerSpec(SpecModel):
+    replicas: int = Field(2, ge=0)
+    batch_size: int = Field(32, ge=1, description="local batch per forward/backward pass")
+    resources: Resources = Field(default_factory=Resources)
+    client_mode: bool = Field(False, description="trainers cannot accept inbound connections")
+
+
+class AuxiliarySpec(SpecModel):
+    replicas: int = Field(0, ge=0, description="CPU-only peers that only help averaging")
+    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="1Gi"))
+
+
+class AveragingSpec(SpecModel):
+    matchmaking_seconds: float = Field(2.0, gt=0, description="time to gather a group before each round")
+    timeout_seconds: float = Field(30.0, gt=0, description="give up on a round after this long")
+    compression: CompressionName = "none"
+    delayed_parameter_updates: bool = Field(False, description="DeDLOC's DPU: step in the background while computing")
+    target_group_size: Optional[int] = Field(None, ge=2, description="all-reduce group size; default: every peer")
+    average_state_every: int = Field(1, ge=1, description="also average parameters every N steps")
+
+
+class MonitorSpec(SpecModel):
+    enabled: bool = True
+    eval_every_steps: int = Field(5, ge=1, description="evaluate held-out metrics every N global steps")
+    checkpoint_every_steps: int = Field(20, ge=1)
+    checkpoint_dir: Optional[str] = Field(None, description="default: RUN_DIR/checkpoints, or the pod's volume")
+    keep_checkpoints: int = Field(3, ge=1)
+
+
+class TargetMetric(SpecModel):
+    name: str = Field(description="a held-out metric of the task, e.g. accuracy or perplexity")
+    value: float
+    mode: Literal["max", "min"] = Field("max", description="max: stop when metric >= value; min: when <= value")
+
+
+class StoppingSpec(SpecModel):
+    target_steps: Optional[int] = Field(None, ge=1, description="stop after this many global steps")
+    target_metric: Optional[TargetMetric] = None
+    max_wall_seconds: Optional[float] = Field(None, gt=0, description="give up after this long (local runs)")
+
+    @model_validator(mode="after")
+    def _something_stops(self) -> "StoppingSpec":
+        if self.target_steps is None and self.target_metric is None:
+            raise ValueError("set targetSteps and/or targetMetric, or the run never ends")
+        return self
+
+
+class SwarmSpec(SpecModel):
+    task: TaskSpec = Field(default_factory=TaskSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    target_batch_size: int = Field(256, ge=1, description="global batch per optimizer step, whatever the peer count")
+    backbone: BackboneSpec = Field(default_factory=BackboneSpec)
+    trainers: TrainerSpec = Field(default_factory=TrainerSpec)
+    auxiliary: AuxiliarySpec = Field(default_factory=AuxiliarySpec)
+    averaging: AveragingSpec = Field(default_factory=AveragingSpec)
+    monitor: MonitorSpec = Field(default_factory=MonitorSpec)
+    stopping: StoppingSpec = Field(default_factory=lambda: StoppingSpec(target_steps=100))
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SwarmSpec":
+        if self.trainers.batch_size > self.target_batch_size:
+            raise ValueError(
+                f"trainers.batchSize ({self.trainers.batch_size}) exceeds targetBatchSize ({self.target_batch_size})"
+            )
+        if self.trainers.client_mode and self.auxiliary.replicas == 0 and self.backbone.replicas == 0:
+            raise ValueError("client-mode trainers need an auxiliary or backbone peer that accepts connections")
+        group = self.averaging.target_group_size
+        if group is not None and group > self.trainers.replicas + self.auxiliary.replicas:
+            raise ValueError(
+                f"averaging.targetGroupSize ({group}) exceeds the averaging peers "
+                f"(trainers + auxiliary = {self.trainers.replicas + self.auxiliary.replicas})"
+            )
+        if self.stopping.target_metric is not None and not self.monitor.enabled:
+            raise ValueError("stopping.targetMetric needs monitor.enabled: the monitor evaluates held-out metrics")
+        return self

@@ -1,0 +1,165 @@
+"""What every Swarm role shares: its arguments, its DHT, its HTTP endpoint, clean shutdown,
+and the records roles publish about themselves in the DHT."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hivekeeper.metrics import SwarmMetrics
+from hivekeeper.service import ServiceEndpoint
+from hivekeeper.spec import Manifest, load_manifest
+from hivekeeper.spec.swarm import SwarmSpec
+
+PEERS_KEY = "_peers"  # subkey per peer: the role's latest report (roles, losses, throughput)
+STOP_KEY = "_stop"  # set by the monitor when the stopping condition is met
+REPORT_EXPIRATION = 15.0  # seconds a peer's report stays in the DHT without a refresh
+
+
+def add_role_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--manifest", required=True, help="the Swarm manifest (YAML or JSON)")
+    parser.add_argument("--index", type=int, default=0, help="this replica's index within its role")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--announce-host", default=None, help="address other peers dial (default: --host)")
+    parser.add_argument("--p2p-port", type=int, default=0, help="libp2p port (0: any free port)")
+    parser.add_argument("--metrics-port", type=int, default=0, help="HTTP port for /metrics, /healthz, /readyz")
+    parser.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of backbone peers")
+    parser.add_argument("--identity", default=None, help="libp2p private key file (stable peer ID)")
+    parser.add_argument("--run-dir", default=".", help="where logs, traces and checkpoints go")
+
+
+@dataclass
+class RoleContext:
+    role: str
+    args: argparse.Namespace
+    manifest: Manifest
+    metrics: SwarmMetrics = field(default_factory=SwarmMetrics)
+    stop: threading.Event = field(default_factory=threading.Event)
+    endpoint: ServiceEndpoint | None = None
+    status: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def spec(self) -> SwarmSpec:
+        return self.manifest.spec
+
+    @property
+    def run_id(self) -> str:
+        return self.manifest.metadata.name
+
+    @property
+    def peer_name(self) -> str:
+        return f"{self.role}-{self.args.index}"
+
+    def start_endpoint(self) -> ServiceEndpoint:
+        self.endpoint = ServiceEndpoint(
+            self.metrics.registry, self.args.host, self.args.metrics_port, status=lambda: dict(self.status)
+        ).start()
+        return self.endpoint
+
+    def make_dht(self, client_mode: bool = False):
+        import hivemind
+
+        host_maddrs = [f"/ip4/{self.args.host}/tcp/{self.args.p2p_port}"]
+        announce = self.args.announce_host
+        announce_maddrs = [f"/ip4/{announce}/tcp/{self.args.p2p_port}"] if announce and self.args.p2p_port else None
+        dht = hivemind.DHT(
+            initial_peers=list(self.args.initial_peers),
+            host_maddrs=host_maddrs,
+            announce_maddrs=announce_maddrs,
+            identity_path=self.args.identity,
+            client_mode=client_mode,
+            start=True,
+            # Ctrl-C reaches every process in the terminal's group; we shut the DHT down ourselves.
+            daemon=True,
+        )
+        self.metrics.peer_info.info(
+            {"swarm": self.run_id, "role": self.role, "peer": self.peer_name, "peer_id": str(dht.peer_id)}
+        )
+        return dht
+
+    def publish_report(self, dht, report: dict[str, Any]) -> None:
+        """Tell the collaboration (and the monitor) what this peer is doing."""
+        from hivemind.utils import get_dht_time
+
+        record = {"role": self.role, "name": self.peer_name, "time": time.time(), **report}
+        dht.store(
+            self.run_id + PEERS_KEY,
+            subkey=str(dht.peer_id),
+            value=record,
+            expiration_time=get_dht_time() + REPORT_EXPIRATION,
+            return_future=True,
+        )
+
+    def stop_requested(self, dht) -> dict[str, Any] | None:
+        found = dht.get(self.run_id + STOP_KEY, latest=True)
+        return found.value if found is not None else None
+
+
+def read_peer_reports(dht, run_id: str) -> list[dict[str, Any]]:
+    """Reports of the peers that are alive (their records have not expired)."""
+    found = dht.get(run_id + PEERS_KEY, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    reports = []
+    for entry in found.value.values():
+        value = getattr(entry, "value", None)
+        if isinstance(value, dict) and "role" in value:
+            reports.append(value)
+    return reports
+
+
+def setup_logging(role: str, index: int) -> logging.Logger:
+    """Structured logs: one JSON object a line on stderr."""
+
+    class JsonFormatter(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            entry = {
+                "ts": round(record.created, 3),
+                "level": record.levelname.lower(),
+                "role": role,
+                "index": index,
+                "msg": record.getMessage(),
+            }
+            extra = getattr(record, "fields", None)
+            if extra:
+                entry.update(extra)
+            if record.exc_info:
+                entry["exc"] = self.formatException(record.exc_info)
+            return json.dumps(entry, default=str)
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("hivekeeper")
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    return logger
+
+
+def install_signal_handlers(stop: threading.Event) -> None:
+    """SIGTERM and SIGINT end the main loop; the role then shuts its DHT (and p2pd) down."""
+
+    def _handler(signum: int, _frame: Any) -> None:
+        if stop.is_set():  # a second signal: the user insists
+            os._exit(128 + signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _handler)
+    signal.signal(signal.SIGINT, _handler)
+
+
+def load_role_context(role: str, args: argparse.Namespace) -> RoleContext:
+    manifest = load_manifest(args.manifest)
+    if not isinstance(manifest.spec, SwarmSpec):
+        raise SystemExit(f"{args.manifest}: role {role} needs a Swarm manifest")
+    ctx = RoleContext(role=role, args=args, manifest=manifest)
+    install_signal_handlers(ctx.stop)
+    return ctx

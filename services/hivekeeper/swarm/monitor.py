@@ -1,0 +1,182 @@
+"""Monitor role: reads the collaboration's progress from the DHT, evaluates the averaged model
+on held-out data, saves checkpoints, decides when the run is done, and serves the state that
+`hivekeeper status` and `hivekeeper up` show."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from hivekeeper.swarm.checkpoint import prune_checkpoints, save_checkpoint
+from hivekeeper.swarm.common import (
+    STOP_KEY,
+    RoleContext,
+    load_role_context,
+    read_peer_reports,
+    setup_logging,
+)
+from hivekeeper.swarm.optimizer import scheduler_factory, torch_optimizer_factory
+from hivekeeper.tasks import load_task
+
+log = logging.getLogger("hivekeeper.monitor")
+POLL_SECONDS = 1.0
+
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging("monitor", args.index)
+    ctx = load_role_context("monitor", args)
+    return Monitor(ctx).run()
+
+
+class Monitor:
+    def __init__(self, ctx: RoleContext):
+        self.ctx = ctx
+        spec = ctx.spec
+        self.run_dir = Path(ctx.args.run_dir)
+        self.checkpoint_dir = Path(spec.monitor.checkpoint_dir or self.run_dir / "checkpoints")
+        self.task = load_task(spec.task.name, spec.task.options, seed=spec.task.seed)
+        self.model = self.task.build_model()
+        self.started = time.time()
+        self.eval_step = -1
+        self.eval_metrics: dict[str, float] = {}
+        self.checkpoint_step = 0
+        self.losses: dict[int, float] = {}
+        self.history = open(self.run_dir / "history.jsonl", "a", buffering=1)
+
+    def run(self) -> int:
+        import hivemind
+        from hivemind.optim.state_averager import TrainingStateAverager
+
+        ctx = self.ctx
+        ctx.start_endpoint()
+        self.dht = ctx.make_dht(client_mode=True)  # it downloads state; nobody needs to dial it
+        self.state = TrainingStateAverager(
+            dht=self.dht,
+            optimizer=torch_optimizer_factory(ctx.spec.optimizer),
+            scheduler=scheduler_factory(ctx.spec.optimizer),
+            params=self.model.parameters(),
+            prefix=f"{ctx.run_id}_state_averager",
+            start=True,
+        )
+        ctx.endpoint.ready.set()
+        log.info("monitor up", extra={"fields": {"peer_id": str(self.dht.peer_id)}})
+        exit_code = 0
+        try:
+            while not ctx.stop.wait(POLL_SECONDS):
+                snapshot = self.observe()
+                if self.should_evaluate(snapshot["globalStep"]):
+                    self.evaluate()
+                    self.maybe_checkpoint()
+                done = self.stopping_reason(snapshot["globalStep"])
+                if done:
+                    self.finish(done)
+                    break
+        except Exception:
+            log.exception("monitor failed")
+            exit_code = 1
+        finally:
+            self.history.close()
+            self.state.shutdown()
+            self.dht.shutdown()
+            del hivemind
+        return exit_code
+
+    def observe(self) -> dict[str, Any]:
+        reports = read_peer_reports(self.dht, self.ctx.run_id)
+        trainers = [r for r in reports if r["role"] == "trainer"]
+        global_step = max((r.get("globalEpoch") or r.get("epoch") or 0 for r in trainers), default=0)
+        for step in {r.get("lossStep") for r in trainers if r.get("loss") is not None}:
+            values = [r["loss"] for r in trainers if r.get("lossStep") == step and r.get("loss") is not None]
+            self.losses[step] = sum(values) / len(values)
+        latest_loss_step = max(self.losses, default=None)
+        rounds = [r["lastRound"] for r in reports if r.get("lastRound")]
+        last_round = max(rounds, key=lambda r: r.get("time", 0), default=None)
+        alive = Counter(r["role"] for r in reports)
+        alive["monitor"] = max(alive.get("monitor", 0), 1)
+        samples_per_second = sum(r.get("samplesPerSecond") or 0.0 for r in trainers)
+        snapshot = {
+            "time": time.time(),
+            "elapsedSeconds": round(time.time() - self.started, 1),
+            "globalStep": global_step,
+            "loss": self.losses.get(latest_loss_step) if latest_loss_step is not None else None,
+            "lossStep": latest_loss_step,
+            "samplesPerSecond": samples_per_second,
+            "samples": sum(r.get("samples") or 0 for r in trainers),
+            "peersAlive": dict(alive),
+            "lastRound": last_round,
+            "evalStep": self.eval_step,
+            "evalMetrics": self.eval_metrics,
+            "checkpointStep": self.checkpoint_step,
+        }
+        metrics = self.ctx.metrics
+        metrics.global_step.set(global_step)
+        metrics.collaboration_samples_per_second.set(samples_per_second)
+        if snapshot["loss"] is not None:
+            metrics.loss.set(snapshot["loss"])
+        for role in ("backbone", "trainer", "auxiliary", "monitor"):
+            metrics.peers_alive.labels(role).set(alive.get(role, 0))
+        self.ctx.status.clear()
+        self.ctx.status.update(snapshot)
+        self.history.write(json.dumps(snapshot) + "\n")
+        return snapshot
+
+    def should_evaluate(self, global_step: int) -> bool:
+        every = self.ctx.spec.monitor.eval_every_steps
+        return global_step > 0 and global_step >= max(self.eval_step, 0) + every
+
+    def load_latest_state(self) -> int:
+        self.state.load_state_from_peers(timeout=30.0)
+        return self.state.local_epoch
+
+    def evaluate(self) -> dict[str, float]:
+        step = self.load_latest_state()
+        self.eval_metrics = {k: round(v, 6) for k, v in self.task.evaluate(self.model).items()}
+        self.eval_step = step
+        for name, value in self.eval_metrics.items():
+            self.ctx.metrics.eval_metric.labels(name).set(value)
+        log.info("evaluated", extra={"fields": {"step": step, **self.eval_metrics}})
+        return self.eval_metrics
+
+    def maybe_checkpoint(self) -> None:
+        every = self.ctx.spec.monitor.checkpoint_every_steps
+        if self.eval_step >= self.checkpoint_step + every:
+            self.save(f"step-{self.eval_step}")
+            prune_checkpoints(self.checkpoint_dir, self.ctx.spec.monitor.keep_checkpoints)
+
+    def save(self, name: str) -> Path:
+        path = save_checkpoint(self.checkpoint_dir, name, self.model, self.eval_step, self.eval_metrics,
+                               self.ctx.manifest.model_dump(by_alias=True, mode="json"))
+        self.checkpoint_step = self.eval_step
+        self.ctx.metrics.checkpoints.inc()
+        return path
+
+    def stopping_reason(self, global_step: int) -> str | None:
+        stopping = self.ctx.spec.stopping
+        if stopping.target_steps is not None and global_step >= stopping.target_steps:
+            return f"reached targetSteps={stopping.target_steps}"
+        target = stopping.target_metric
+        if target is not None and target.name in self.eval_metrics:
+            value = self.eval_metrics[target.name]
+            if (value >= target.value) if target.mode == "max" else (value <= target.value):
+                return f"{target.name}={value:.4f} reached target {target.value}"
+        if stopping.max_wall_seconds is not None and time.time() - self.started > stopping.max_wall_seconds:
+            return f"maxWallSeconds={stopping.max_wall_seconds} elapsed"
+        return None
+
+    def finish(self, reason: str) -> None:
+        from hivemind.utils import get_dht_time
+
+        self.evaluate()
+        final = self.save("final")
+        self.dht.store(self.ctx.run_id + STOP_KEY, {"step": self.eval_step, "reason": reason},
+                       expiration_time=get_dht_time() + 3600)
+        result = {"globalStep": self.eval_step, "reason": reason, "metrics": self.eval_metrics,
+                  "checkpoint": str(final), "losses": {str(k): v for k, v in sorted(self.losses.items())}}
+        (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
+        log.info("run finished", extra={"fields": result | {"losses": len(self.losses)}})

@@ -1,0 +1,190 @@
+"""hivemind's collaborative Optimizer, configured from the Swarm spec and instrumented:
+every averaging round's outcome, duration, group size and bytes moved become metrics."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from hivekeeper.metrics import SwarmMetrics
+from hivekeeper.spec.swarm import OptimizerSpec, SwarmSpec
+
+log = logging.getLogger("hivekeeper.optimizer")
+
+# Bytes a tensor element takes on the wire under each compression (hivemind's serializers).
+WIRE_BYTES_PER_ELEMENT = {"none": 4.0, "float16": 2.0, "uniform8bit": 1.0, "blockwise8bit": 1.0}
+
+
+def torch_optimizer_factory(spec: OptimizerSpec) -> Callable[[Iterable[Any]], torch.optim.Optimizer]:
+    """The local optimizer. Gradient clipping happens inside its step, on the averaged global
+    gradient, so clipping means the same as in single-process large-batch training."""
+    base = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[spec.name]
+    kwargs: dict[str, Any] = dict(lr=spec.learning_rate, weight_decay=spec.weight_decay)
+    kwargs.update(momentum=spec.momentum) if spec.name == "sgd" else kwargs.update(betas=spec.betas)
+    if spec.clip_grad_norm is None:
+        return lambda params: base(params, **kwargs)
+    max_norm = spec.clip_grad_norm
+
+    class Clipped(base):  # type: ignore[valid-type, misc]
+        def step(self, closure=None):
+            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return super().step(closure)
+
+    return lambda params: Clipped(params, **kwargs)
+
+
+def scheduler_factory(spec: OptimizerSpec) -> Optional[Callable[[torch.optim.Optimizer], Any]]:
+    if not spec.warmup_steps:
+        return None
+    warmup = spec.warmup_steps
+    return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
+
+
+def compression(name: str):
+    from hivemind.compression import BlockwiseQuantization, Float16Compression, NoCompression, Uniform8BitQuantization
+
+    return {
+        "none": NoCompression,
+        "float16": Float16Compression,
+        "uniform8bit": Uniform8BitQuantization,
+        "blockwise8bit": BlockwiseQuantization,
+    }[name]()
+
+
+def averaging_group_size(spec: SwarmSpec) -> int:
+    """Default all-reduce group: every averaging peer (trainers and auxiliaries) at once."""
+    return spec.averaging.target_group_size or max(2, spec.trainers.replicas + spec.auxiliary.replicas)
+
+
+def make_instrumented_classes():
+    """Subclasses of hivemind's Optimizer and GradientAverager that feed SwarmMetrics.
+
+    Built lazily so that importing this module does not import hivemind."""
+    import hivemind
+    from hivemind.optim.grad_averager import GradientAverager
+
+    class CountingGradientAverager(GradientAverager):
+        """Counts bytes of tensor parts moved in all-reduce. The all-reduce runs in the averager's
+        forked child process, so the counters live in shared memory created before the fork."""
+
+        def __init__(self, *args: Any, wire_bytes_per_element: float = 4.0, **kwargs: Any):
+            ctx = mp.get_context("fork")
+            self.sent_bytes = ctx.Value("d", 0.0)
+            self.received_bytes = ctx.Value("d", 0.0)
+            self.wire_bytes_per_element = wire_bytes_per_element
+            super().__init__(*args, **kwargs)
+
+        async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+            await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
+            fractions = kwargs.get("peer_fractions")
+            modes = kwargs.get("modes")
+            if not fractions:
+                return
+            me = group_info.peer_ids.index(self.peer_id)
+            sends_data = modes is None or modes[me].name != "AUX"
+            senders = sum(1 for m in modes if m.name != "AUX") if modes is not None else len(fractions)
+            size = self.total_size * self.wire_bytes_per_element
+            # As a sender: my vector minus the part I aggregate goes out, and the averaged parts come back.
+            # As an aggregator: every other sender's share of my part comes in, and the averages go back.
+            own_part = size * fractions[me]
+            outbound = (size - own_part if sends_data else 0.0) + own_part * (senders - int(sends_data))
+            with self.sent_bytes.get_lock():
+                self.sent_bytes.value += outbound
+            with self.received_bytes.get_lock():
+                self.received_bytes.value += outbound  # all-reduce is symmetric: as much returns as goes out
+
+    class InstrumentedOptimizer(hivemind.Optimizer):
+        def __init__(self, *args: Any, metrics: SwarmMetrics, **kwargs: Any):
+            self.metrics = metrics
+            self.last_round: dict[str, Any] = {}
+            self._bytes_seen = (0.0, 0.0)
+            self.state_loads = 0
+            super().__init__(*args, **kwargs)
+
+        def load_state_from_peers(self, **kwargs: Any) -> None:
+            self.state_loads += 1
+            self.metrics.state_loads.inc()
+            super().load_state_from_peers(**kwargs)
+
+        def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
+            started = time.perf_counter()
+            super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+            seconds = time.perf_counter() - started
+            if maybe_step_control is None:
+                outcome, group_size = "skipped", 1
+            elif maybe_step_control.done() and maybe_step_control.exception() is None:
+                outcome, group_size = "success", len(maybe_step_control.result())
+            else:
+                outcome, group_size = "failure", 0
+            self.metrics.averaging_rounds.labels(outcome).inc()
+            if outcome == "success":
+                self.metrics.averaging_round_duration.observe(seconds)
+                self.metrics.averaging_group_size.set(group_size)
+            self.last_round = {
+                "outcome": outcome,
+                "groupSize": group_size,
+                "seconds": round(seconds, 4),
+                "epoch": self.local_epoch,
+                "time": time.time(),
+            }
+            self.sync_byte_counters()
+
+        def sync_byte_counters(self) -> None:
+            averager = self.grad_averager
+            if not isinstance(averager, CountingGradientAverager):
+                return
+            sent, received = averager.sent_bytes.value, averager.received_bytes.value
+            self.metrics.averaging_sent_bytes.inc(max(0.0, sent - self._bytes_seen[0]))
+            self.metrics.averaging_received_bytes.inc(max(0.0, received - self._bytes_seen[1]))
+            self._bytes_seen = (sent, received)
+
+    return InstrumentedOptimizer, CountingGradientAverager
+
+
+def make_collaborative_optimizer(
+    spec: SwarmSpec,
+    run_id: str,
+    dht,
+    model: torch.nn.Module,
+    metrics: SwarmMetrics,
+    *,
+    auxiliary: bool = False,
+    batch_size: Optional[int] = None,
+):
+    from functools import partial
+
+    InstrumentedOptimizer, CountingGradientAverager = make_instrumented_classes()
+    averaging = spec.averaging
+    grad_compression = compression(averaging.compression)
+    return InstrumentedOptimizer(
+        dht=dht,
+        run_id=run_id,
+        params=model.parameters(),
+        optimizer=torch_optimizer_factory(spec.optimizer),
+        scheduler=scheduler_factory(spec.optimizer),
+        target_batch_size=spec.target_batch_size,
+        batch_size_per_step=None if auxiliary else batch_size,
+        matchmaking_time=averaging.matchmaking_seconds,
+        averaging_timeout=averaging.timeout_seconds,
+        delay_optimizer_step=averaging.delayed_parameter_updates,
+        delay_grad_averaging=averaging.delayed_parameter_updates,
+        average_state_every=averaging.average_state_every,
+        auxiliary=auxiliary,
+        client_mode=dht.client_mode,
+        grad_compression=grad_compression,
+        state_averaging_compression=grad_compression,
+        grad_averager_factory=partial(
+            CountingGradientAverager, wire_bytes_per_element=WIRE_BYTES_PER_ELEMENT[averaging.compression]
+        ),
+        # hivemind advises a request timeout below the matchmaking time (rare deadlocks otherwise)
+        averager_opts=dict(target_group_size=averaging_group_size(spec),
+                           request_timeout=min(3.0, averaging.matchmaking_seconds / 2)),
+        tracker_opts=dict(min_refresh_period=0.25, max_refresh_period=2.0),
+        metrics=metrics,
+        verbose=False,
+    )

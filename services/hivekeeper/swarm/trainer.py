@@ -1,0 +1,147 @@
+"""Trainer role: accumulates gradients at its own pace until the collaboration reaches
+targetBatchSize, then averages with its peers and steps (hivemind.Optimizer). A peer that
+falls behind loads the latest state from one that is up to date."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+from hivekeeper.swarm.common import RoleContext, load_role_context, setup_logging
+from hivekeeper.swarm.optimizer import make_collaborative_optimizer
+from hivekeeper.tasks import load_task
+
+log = logging.getLogger("hivekeeper.trainer")
+REPORT_INTERVAL = 1.0
+
+
+
+def index_stream(train_size: int, batch_size: int, seed: int) -> Iterator[list[int]]:
+    """Shuffled passes over the data, a fresh permutation each pass; the last partial batch of a
+    pass is dropped so every batch has the same size (hivemind weighs batches by count)."""
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(train_size)
+        for start in range(0, train_size - batch_size + 1, batch_size):
+            yield order[start : start + batch_size].tolist()
+
+
+class Trace:
+    def __init__(self, path: Optional[str]):
+        self._file = open(path, "a", buffering=1) if path else None
+
+    def write(self, **record: Any) -> None:
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging("trainer", args.index)
+    ctx = load_role_context("trainer", args)
+    return train(ctx)
+
+
+def train(ctx: RoleContext) -> int:
+    spec, args = ctx.spec, ctx.args
+    batch_size = args.batch_size or spec.trainers.batch_size
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ctx.start_endpoint()
+    task = load_task(spec.task.name, spec.task.options, seed=spec.task.seed)
+    model = task.build_model().to(device)
+    dht = ctx.make_dht(client_mode=spec.trainers.client_mode)
+    opt = make_collaborative_optimizer(spec, ctx.run_id, dht, model, ctx.metrics, batch_size=batch_size)
+    trace = Trace(args.trace)
+    log.info("trainer started", extra={"fields": {"peer_id": str(dht.peer_id), "batch_size": batch_size,
+                                                  "device": str(device)}})
+    try:
+        opt.load_state_from_peers()  # join an ongoing collaboration at its current step
+        ctx.endpoint.ready.set()
+        _loop(ctx, dht, opt, task, model, batch_size, device, trace)
+    finally:
+        trace.close()
+        opt.shutdown()
+        dht.shutdown()
+    log.info("trainer stopped", extra={"fields": {"epoch": opt.local_epoch}})
+    return 0
+
+
+def _loop(ctx: RoleContext, dht, opt, task, model, batch_size: int, device, trace: Trace) -> None:
+    metrics = ctx.metrics
+    batches = index_stream(task.train_size, batch_size, seed=ctx.spec.task.seed * 10_007 + ctx.args.index + 1)
+    epoch_losses: list[float] = []  # losses of this peer's batches in the current step
+    step_loss: dict[str, Any] = {}  # mean loss of the latest step this peer completed
+    total_samples = 0
+    samples_window: list[tuple[float, int]] = []
+    last_report = 0.0
+    last_round_seen: dict[str, Any] = {}
+    model.train()
+    while not ctx.stop.is_set():
+        now = time.monotonic()
+        if now - last_report >= REPORT_INTERVAL:
+            last_report = now
+            stop = ctx.stop_requested(dht)
+            if stop is not None:
+                log.info("stop requested by the monitor", extra={"fields": {"stop": stop}})
+                break
+            _report(ctx, dht, opt, step_loss, total_samples, samples_window)
+
+        indices = next(batches)
+        batch = task.to_device(task.train_batch(indices), device)
+        loss = task.loss(model, batch)
+        loss.backward()
+        epoch = opt.local_epoch
+        loads_before = opt.state_loads
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+        accumulated = opt.state_loads == loads_before
+        trace.write(type="batch", epoch=epoch, indices=indices, loss=loss.item(), accumulated=accumulated)
+        if opt.last_round is not last_round_seen and opt.last_round:
+            last_round_seen = opt.last_round
+            trace.write(type="round", **{**last_round_seen, "epoch": epoch})
+        if accumulated:
+            epoch_losses.append(loss.item())
+        if opt.local_epoch != epoch:
+            if epoch_losses:
+                step_loss.update(step=epoch, loss=float(np.mean(epoch_losses)))
+                metrics.loss.set(step_loss["loss"])
+            epoch_losses.clear()
+        metrics.samples.inc(batch_size)
+        total_samples += batch_size
+        samples_window.append((time.monotonic(), batch_size))
+        metrics.local_step.set(opt.local_epoch)
+        metrics.global_step.set(opt.tracker.global_epoch)
+        if ctx.args.step_delay:
+            time.sleep(ctx.args.step_delay)
+
+
+def _report(
+    ctx: RoleContext, dht, opt, step_loss: dict[str, Any], total_samples: int, samples_window: list[tuple[float, int]]
+) -> None:
+    horizon = time.monotonic() - 10.0
+    samples_window[:] = [(t, n) for t, n in samples_window if t >= horizon]
+    span = (samples_window[-1][0] - samples_window[0][0]) if len(samples_window) > 1 else 0.0
+    rate = sum(n for _, n in samples_window[1:]) / span if span > 0 else 0.0
+    ctx.metrics.samples_per_second.set(rate)
+    report = dict(
+        epoch=opt.local_epoch,
+        globalEpoch=opt.tracker.global_epoch,
+        loss=step_loss.get("loss"),
+        lossStep=step_loss.get("step"),
+        samplesPerSecond=rate,
+        samples=total_samples,
+        lastRound=opt.last_round,
+    )
+    ctx.status.update(report)
+    ctx.publish_report(dht, report)

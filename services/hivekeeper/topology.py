@@ -1,0 +1,79 @@
+"""From a manifest to the processes that run it: a pure function, shared by the local runner
+and the Kubernetes operator. Where each role listens and how it finds the backbone differs
+between the two; a `Network` says how, and the rest is the same."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hivekeeper.spec import Manifest
+from hivekeeper.spec.swarm import Resources, SwarmSpec
+
+METRICS = "metrics"
+P2P = "p2p"
+
+
+@dataclass(frozen=True)
+class Role:
+    """One process (locally) or one pod (in Kubernetes)."""
+
+    name: str  # unique within the resource, e.g. "trainer-1"
+    component: str  # backbone | trainer | auxiliary | monitor
+    index: int
+    args: tuple[str, ...]  # after `hivekeeper run`
+    ports: dict[str, int] = field(default_factory=dict)
+    resources: Resources = field(default_factory=Resources)
+    restart: bool = True  # restart after a crash
+    completes_run: bool = False  # its successful exit means the run is done
+
+
+class Network(Protocol):
+    listen_host: str
+
+    def port(self, role_name: str, port_name: str) -> int:
+        """The port a role listens on; 0 lets the OS choose (only for ports nobody dials)."""
+
+    def backbone_maddr(self, index: int, port: int, peer_id: str) -> str:
+        """The multiaddr other peers dial to reach backbone `index`."""
+
+    def identity_path(self, role_name: str) -> str:
+        """Where a role with a stable identity keeps its private key."""
+
+    def announce_host(self, role_name: str) -> str | None:
+        """The address others dial for this role, if not the listen address."""
+
+
+def swarm_roles(manifest: Manifest, network: Network, backbone_peer_ids: list[str], manifest_path: str,
+                run_dir: str) -> list[Role]:
+    spec: SwarmSpec = manifest.spec
+    assert len(backbone_peer_ids) == spec.backbone.replicas, "one identity per backbone peer"
+    backbone_ports = [network.port(f"backbone-{i}", P2P) for i in range(spec.backbone.replicas)]
+    initial_peers = [
+        network.backbone_maddr(i, port, peer_id) for i, (port, peer_id) in enumerate(zip(backbone_ports, backbone_peer_ids))
+    ]
+
+    def role(component: str, index: int, resources: Resources, *, identity: bool = False,
+             completes_run: bool = False) -> Role:
+        name = f"{component}-{index}"
+        ports = {METRICS: network.port(name, METRICS), P2P: network.port(name, P2P)}
+        args = [component, "--manifest", manifest_path, "--index", str(index), "--host", network.listen_host,
+                "--p2p-port", str(ports[P2P]), "--metrics-port", str(ports[METRICS]), "--run-dir", run_dir]
+        announce = network.announce_host(name)
+        if announce:
+            args += ["--announce-host", announce]
+        if identity:
+            args += ["--identity", network.identity_path(name)]
+        peers = [maddr for i, maddr in enumerate(initial_peers) if not (component == "backbone" and i == index)]
+        if peers:
+            args += ["--initial-peers", *peers]
+        return Role(name=name, component=component, index=index, args=tuple(args), ports=ports,
+                    resources=resources, completes_run=completes_run)
+
+    backbone_resources = Resources(cpu="250m", memory="512Mi")
+    roles = [role("backbone", i, backbone_resources, identity=True) for i in range(spec.backbone.replicas)]
+    roles += [role("trainer", i, spec.trainers.resources) for i in range(spec.trainers.replicas)]
+    roles += [role("auxiliary", i, spec.auxiliary.resources) for i in range(spec.auxiliary.replicas)]
+    if spec.monitor.enabled:
+        roles.append(role("monitor", 0, Resources(cpu="500m", memory="1Gi"), completes_run=True))
+    return roles
