@@ -1,47 +1,52 @@
-"""DeDLOC's averaging plan (section 3.2, appendix B): who computes gradients and which
-share of the gradient vector each peer aggregates.
+"""DeDLOC's averaging plan (section 3.2, appendix B): which peers compute gradients and
+which share of the gradient vector each peer aggregates.
 
-Model. Peer i computes s_i samples/s, uploads u_i and downloads d_i; a link i->j may be
-capped at t_ij. A step needs B samples; the vector has P parameters. Peers with
-c_i = 1 compute and send each aggregator j its part (rate a_ij); aggregator i returns
-the averaged part (rate g_ij) to every computing peer. Steps/s are
-min(sum_i s_i c_i / B, aggregation rate). Transfers within a peer are free; client-mode
-peers accept no connections, so they aggregate nothing. Averaged parts go back to the
-senders only: in hivemind's all-reduce an auxiliary peer neither sends nor receives, and
-only then do bandwidth-only peers act as BytePS summation servers. Eq. 5 asks every peer
-to receive; here the receive row of peer i carries a big-M (1 - c_i) * X instead.
+Model. Peer i computes s_i samples/s and moves u_i up, d_i down; a link i->j may be
+capped at t_ij. A step needs B samples; the vector has P parameters. A computing peer
+(c_i = 1) sends every aggregator j its part (a_ij); aggregator i returns the averaged
+part (g_ij) to every computing peer. Steps/s = min(sum_i s_i c_i / B, aggregation rate).
+Transfers within a peer are free; client-mode peers accept no connections, so they
+aggregate nothing. Averaged parts go back to the senders only: a hivemind auxiliary
+peer neither sends nor receives, and only so do bandwidth-only peers become BytePS
+summation servers. Eq. 5 asks every peer to receive; here peer i's receive row carries
+a big-M (1 - c_i) X, X an upper bound of steps/s.
 
 Units. Rates are whole gradient vectors per second (Mbps * 1e6 / (8 * P * bytes)) and
 steps/s, divided by one reference rate (the smaller of the total compute rate and the
-total bandwidth, an upper bound of the optimum), so that coefficients are of order one.
+total bandwidth, itself an upper bound of the optimum), so coefficients are of order one.
 
-The relaxation (eq. 5, `relaxation_lp`). The literal form has n^3 rows
-``g_ij <= a_ki + (1 - c_k) M_i`` for all i, j, k. The compact form adds one variable per
-aggregator, r_i (the rate at which i collects every sender's part), and keeps 2 n^2 rows:
-``g_ij <= r_i`` for all j and ``r_i <= a_ki + (1 - c_k) M_i`` for all k != i. Eliminating
-r_i (Fourier-Motzkin) pairs each of its lower bounds with each of its upper bounds and
-gives back exactly the literal rows with k != i (plus 0 <= a_ki + (1 - c_k) M_i, implied
-by the bounds); the rows with k = i are vacuous because a_ii is a free, unbounded
-self-transfer. Both forms therefore have the same feasible set in (a, g, c, xi) and the
-same optimum; `literal_relaxation_lp` builds the literal form to test that.
+Eq. 5, compact (`relaxation_lp`). The literal form has n^3 rows
+``g_ij <= a_ki + (1 - c_k) d_i``. The compact form adds r_i, the rate at which aggregator
+i collects every computing sender's part, and keeps 2 n^2 rows: ``g_ij <= r_i`` for all j
+and ``r_i <= a_ki + (1 - c_k) d_i`` for k != i. Eliminating r_i (Fourier-Motzkin) pairs
+each of its lower bounds with each of its upper bounds and yields exactly the literal
+rows with k != i, plus 0 <= a_ki + (1 - c_k) d_i, which the bounds imply; the rows with
+k = i are vacuous because a_ii is a free, unbounded self-transfer. So both forms have the
+same feasible set in (a, g, c, xi) and the same optimum (`literal_relaxation_lp` builds
+the literal one for the test).
 
-Realized plans (binary roles, `plan_averaging`). The relaxation is not a plan: a
-fractional c_k counts part of k's compute and drops k from the aggregation rows, and g
-may differ per receiver, whereas an aggregator that owns a fraction of the vector must
-return all of it to every receiver. A realizable plan has c in {0, 1} and one rate r_i per
-aggregator, shares r_i / sum r (eq. 6 with min_j g_ij = r_i). Then the return to a
-computing peer j equals j's send to i, so one variable a_ji >= c_j r_i carries both, and
-peer i's upload and download are both sum_{j != i} (a_ij + a_ji) <= min(u_i, d_i). The
-exact mixed-integer version of that (`scipy.optimize.milp`) is solved up to
-`EXACT_MAX_PEERS` peers; above that, the relaxation's c is rounded at a few thresholds.
-Either way the roles are then fixed and the shares re-solved to maximize the aggregation
-rate, so the plan's averaging time is the best one for its roles. A lone non-client
-trainer needs no exchange at all; that plan is always a candidate.
+Realizable plans (`plan_averaging`). Eq. 5 is not a plan: a fractional c_k counts part of
+k's compute and drops k from the aggregation rows, and g_ij may differ per receiver,
+whereas an aggregator owning a fraction of the vector returns all of it to every
+receiver. It is also slow (2 n^2 variables: seconds at 64 peers), so it serves as a bound.
+A plan has c in {0, 1} and one rate r_i per aggregator, R = sum r, shares r_i / R (eq. 6
+with min_j g_ij = r_i). Every byte a computing peer sends comes back, so peer i's
+traffic is the same each way: c_i (R - r_i) + (K - c_i) r_i <= w_i = min(u_i, d_i) with
+K = sum c, and a link carries c_i r_j + c_j r_i. With the roles fixed and no link caps
+this LP has a closed form (`_closed_form`): each computing peer carries R, so R <= w_i;
+a computing aggregator's row gives r_i <= (w_i - R) / (K - 2), another aggregator's
+r_i <= w_i / K, and summing them bounds R. Choosing the roles is a mixed-integer program;
+`_milp_program` linearizes the products c_i R, c_i r_i and K r_i (K in binary digits)
+exactly with O(n log n) variables. It is solved exactly up to `EXACT_MAX_PEERS` peers;
+above that, its LP relaxation is rounded and improved by single-peer flips ranked by the
+closed form (link caps aside). Either way the roles are then fixed and the shares
+re-solved, link caps included, to maximize the aggregation rate, so the plan's averaging
+time is the best one for its roles. A lone non-client trainer exchanges nothing; that
+plan is always a candidate, and so are all-reduce's roles (everyone computes).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
@@ -54,6 +59,7 @@ __all__ = [
     "EXACT_MAX_PEERS",
     "AveragingPlan",
     "AveragingProblem",
+    "LinearProgram",
     "PeerCapacity",
     "PeerRole",
     "Relaxation",
@@ -62,15 +68,18 @@ __all__ = [
     "literal_relaxation_lp",
     "parameter_server_baseline",
     "plan_averaging",
+    "plan_for_roles",
     "relaxation_lp",
     "solve_lp",
     "solve_relaxation",
 ]
 
-EXACT_MAX_PEERS = 64  # the MILP stays well under 50 ms up to here (bench/bench_averaging_plan.py)
-ROUNDING_THRESHOLDS = (0.999, 0.75, 0.5, 0.25, 0.001)  # c_k >= threshold -> k computes
-MILP_NODE_LIMIT = 10_000  # a node limit, unlike a time limit, keeps the plan deterministic
+EXACT_MAX_PEERS = 16  # exact MILP: ~20 ms at 16 peers, ~50 ms at 32, ~110 ms at 64 (bench)
+MILP_NODE_LIMIT = 5_000  # a node limit, unlike a time limit, keeps plans deterministic
 _MBPS = 1e6 / 8  # bytes per second in one Mbps
+
+
+# --- inputs and results --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -106,7 +115,7 @@ class AveragingProblem:
 @dataclass(frozen=True)
 class Throughput:
     compute_bound: float  # steps/s that the computing peers' samples allow
-    aggregation_bound: float  # full vectors averaged per second; inf when nothing is exchanged
+    aggregation_bound: float  # whole vectors averaged per second; inf when nothing is exchanged
 
     @property
     def steps_per_second(self) -> float:
@@ -114,8 +123,8 @@ class Throughput:
 
     @property
     def averaging_seconds(self) -> float:
-        """Time for every receiver to get the whole averaged vector: the plan is uniform,
-        so each one's return rate, and the slowest one's, is the aggregation rate."""
+        """P * bytes over the slowest receiver's return rate; in a plan every receiver
+        gets every aggregator's rate, so that is the aggregation rate."""
         return 1.0 / self.aggregation_bound
 
 
@@ -126,16 +135,19 @@ class PeerRole:
     aggregation_share: float
 
 
+Method = Literal["milp", "rounding", "fixed"]  # exact; rounded and improved; roles given
+
+
 @dataclass(frozen=True)
 class AveragingPlan(Throughput):
-    peers: tuple[PeerRole, ...]
+    peers: tuple[PeerRole, ...]  # sorted by name
     solve_seconds: float
-    method: Literal["milp", "rounding"]
+    method: Method
 
 
 @dataclass(frozen=True)
 class Relaxation:
-    objective: float  # steps/s of eq. 5, an upper bound of every realizable plan
+    steps_per_second: float  # eq. 5's optimum: no plan but a lone trainer's exceeds it
     computes: np.ndarray  # fractional c, peers sorted by name
 
 
@@ -160,12 +172,12 @@ class LinearProgram:
 @dataclass(frozen=True)
 class _Scaled:
     names: tuple[str, ...]  # sorted
-    compute: np.ndarray  # steps/s each peer's samples would give, in units
+    compute: np.ndarray  # steps/s each peer's samples give alone
     upload: np.ndarray
     download: np.ndarray
-    aggregates: np.ndarray  # bool: not in client mode
-    links: np.ndarray  # directed caps t_ij in units, inf where none
-    unit: float  # vectors/s per unit
+    aggregates: np.ndarray  # bool: accepts connections
+    links: np.ndarray  # directed caps, inf where none
+    unit: float  # vectors (or steps) per second in one model unit
 
     @property
     def n(self) -> int:
@@ -173,23 +185,28 @@ class _Scaled:
 
     @property
     def capacity(self) -> np.ndarray:
-        """Per-peer cap of a realizable plan, where every byte sent comes back."""
+        """w_i: a plan's traffic is the same each way, so the smaller direction caps it."""
         return np.minimum(self.upload, self.download)
+
+    @property
+    def pair_caps(self) -> np.ndarray:
+        """Both directions of a pair carry the same plan traffic."""
+        return np.minimum(self.links, self.links.T)
 
 
 def _scale(problem: AveragingProblem) -> _Scaled:
     peers = sorted(problem.peers, key=lambda peer: peer.name)
     names = tuple(peer.name for peer in peers)
-    vector_bytes = problem.num_parameters * problem.bytes_per_parameter
+    vectors_per_mbps = _MBPS / (problem.num_parameters * problem.bytes_per_parameter)
     compute = np.array([peer.samples_per_second for peer in peers]) / problem.target_batch_size
-    upload = np.array([peer.upload_mbps for peer in peers]) * _MBPS / vector_bytes
-    download = np.array([peer.download_mbps for peer in peers]) * _MBPS / vector_bytes
+    upload = np.array([peer.upload_mbps for peer in peers]) * vectors_per_mbps
+    download = np.array([peer.download_mbps for peer in peers]) * vectors_per_mbps
     links = np.full((len(peers), len(peers)), np.inf)
     index = {name: i for i, name in enumerate(names)}
     for src, row in problem.links.items():
         for dst, mbps in row.items():
-            links[index[src], index[dst]] = mbps * _MBPS / vector_bytes
-    unit = min(compute.sum(), np.minimum(upload, download).sum())
+            links[index[src], index[dst]] = mbps * vectors_per_mbps
+    unit = float(min(compute.sum(), np.minimum(upload, download).sum()))
     return _Scaled(
         names=names,
         compute=compute / unit,
@@ -197,126 +214,57 @@ def _scale(problem: AveragingProblem) -> _Scaled:
         download=download / unit,
         aggregates=np.array([not peer.client_mode for peer in peers]),
         links=links / unit,
-        unit=float(unit),
+        unit=unit,
     )
 
 
-# --- sparse row assembly -------------------------------------------------------------
+# --- sparse programs -----------------------------------------------------------------
 
 
 class _Rows:
-    """Collects blocks of rows; each block has the same number of entries per row."""
+    """Collects blocks of `<=` rows; each block has the same number of entries per row."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int) -> None:
+        self.size = size
         self._rows: list[np.ndarray] = []
         self._cols: list[np.ndarray] = []
         self._vals: list[np.ndarray] = []
         self._rhs: list[np.ndarray] = []
         self.count = 0
 
-    def add(self, cols: np.ndarray, vals: np.ndarray, rhs: np.ndarray) -> None:
+    def add(self, cols: np.ndarray, vals: np.ndarray | float, rhs: np.ndarray | float) -> None:
         cols = np.atleast_2d(cols)
-        vals = np.broadcast_to(vals, cols.shape)
-        rhs = np.broadcast_to(np.asarray(rhs, dtype=float), (cols.shape[0],))
+        if cols.size == 0:
+            return
         self._rows.append(np.repeat(np.arange(self.count, self.count + cols.shape[0]), cols.shape[1]))
         self._cols.append(cols.ravel())
-        self._vals.append(vals.ravel())
-        self._rhs.append(rhs)
+        self._vals.append(np.broadcast_to(vals, cols.shape).ravel())
+        self._rhs.append(np.broadcast_to(np.asarray(rhs, dtype=float), (cols.shape[0],)))
         self.count += cols.shape[0]
 
-    def program(self, cost: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> LinearProgram:
-        shape = (self.count, cost.size)
-        matrix = coo_array(
-            (np.concatenate(self._vals), (np.concatenate(self._rows), np.concatenate(self._cols))), shape=shape
-        )
-        return LinearProgram(cost, matrix.tocsr(), np.concatenate(self._rhs), lower, upper)
+    def add_when(self, plus: np.ndarray, minus: np.ndarray, switch: np.ndarray, big: np.ndarray | float) -> None:
+        """Rows `plus <= minus + big (1 - switch)`: plus <= minus where the switch is 1."""
+        plus, minus, switch = (a.ravel() for a in np.broadcast_arrays(plus, minus, switch))
+        big = np.broadcast_to(np.asarray(big, dtype=float), plus.shape)
+        ones = np.ones(plus.size)
+        self.add(np.column_stack([plus, minus, switch]), np.column_stack([ones, -ones, big]), big)
+
+    def program(self, objective_index: int, lower: np.ndarray, upper: np.ndarray) -> LinearProgram:
+        """Maximizes the variable at `objective_index`."""
+        cost = np.zeros(self.size)
+        cost[objective_index] = -1.0
+        entries = (np.concatenate(self._vals), (np.concatenate(self._rows), np.concatenate(self._cols)))
+        matrix = coo_array(entries, shape=(self.count, self.size)).tocsr()
+        return LinearProgram(cost, matrix, np.concatenate(self._rhs), lower, upper)
 
 
 def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every ordered pair (i, j) with i != j."""
-    i, j = np.nonzero(~np.eye(n, dtype=bool))
-    return i, j
-
-
-# --- the relaxation (eq. 5) ----------------------------------------------------------
-
-
-class _RelaxationIndex:
-    """Variable layout: xi, c (n), r (n), a (n x n, a[i, j]: i sends to j), g (n x n)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.xi = 0
-        self.c = 1 + np.arange(n)
-        self.r = 1 + n + np.arange(n)
-        self.a = 1 + 2 * n + np.arange(n * n).reshape(n, n)
-        self.g = 1 + 2 * n + n * n + np.arange(n * n).reshape(n, n)
-        self.size = 1 + 2 * n + 2 * n * n
-
-
-def _relaxation(m: _Scaled, literal: bool) -> LinearProgram:
-    n, ix, rows = m.n, _RelaxationIndex(m.n), _Rows()
-    receive_big_m = 1.0  # the unit bounds every plan's steps/s
-    i, j = _pairs(n)
-    rows.add(np.concatenate(([ix.xi], ix.c)), np.concatenate(([1.0], -m.compute)), 0.0)
-    # a computing peer receives the whole vector: xi <= sum_j g_ji + (1 - c_i) X
-    receivers = np.arange(n)
-    rows.add(
-        np.column_stack([np.full(n, ix.xi), ix.c, ix.g[:, receivers].T]),
-        np.concatenate(([1.0, receive_big_m], -np.ones(n))),
-        receive_big_m,
-    )
-    big_m = m.download  # the paper's M_i = d_i
-    if literal:
-        ii, jj, kk = (axis.ravel() for axis in np.indices((n, n, n)))
-        rows.add(
-            np.column_stack([ix.g[ii, jj], ix.a[kk, ii], ix.c[kk]]),
-            np.column_stack([np.ones(ii.size), -np.ones(ii.size), big_m[ii]]),
-            big_m[ii],
-        )
-    else:
-        agg = np.flatnonzero(m.aggregates)
-        ai, aj = np.repeat(agg, n), np.tile(np.arange(n), agg.size)
-        rows.add(np.column_stack([ix.g[ai, aj], ix.r[ai]]), np.array([1.0, -1.0]), 0.0)
-        senders, aggs = j[np.isin(i, agg)], i[np.isin(i, agg)]  # r_i <= a_ki + (1 - c_k) M_i, k != i
-        rows.add(
-            np.column_stack([ix.r[aggs], ix.a[senders, aggs], ix.c[senders]]),
-            np.column_stack([np.ones(aggs.size), -np.ones(aggs.size), big_m[aggs]]),
-            big_m[aggs],
-        )
-    off = ~np.eye(n, dtype=bool)
-    download_cols = np.column_stack([ix.a.T[off].reshape(n, n - 1), ix.g.T[off].reshape(n, n - 1)])
-    upload_cols = np.column_stack([ix.a[off].reshape(n, n - 1), ix.g[off].reshape(n, n - 1)])
-    rows.add(download_cols, 1.0, m.download)
-    rows.add(upload_cols, 1.0, m.upload)
-    capped = np.isfinite(m.links[i, j])
-    rows.add(np.column_stack([ix.a[i[capped], j[capped]], ix.g[i[capped], j[capped]]]), 1.0, m.links[i, j][capped])
-
-    lower, upper = np.zeros(ix.size), np.full(ix.size, np.inf)
-    upper[ix.c] = 1.0
-    clients = ~m.aggregates
-    upper[ix.r[clients]] = 0.0
-    upper[ix.g[clients, :].ravel()] = 0.0
-    upper[ix.a[:, clients].ravel()] = 0.0
-    if not literal:
-        upper[np.diag(ix.a)] = 0.0  # unused: the k = i rows are vacuous (see module docstring)
-    cost = np.zeros(ix.size)
-    cost[ix.xi] = -1.0
-    return rows.program(cost, lower, upper)
-
-
-def relaxation_lp(problem: AveragingProblem) -> LinearProgram:
-    """Eq. 5 in the compact form: 2 n^2 + O(n) rows."""
-    return _relaxation(_scale(problem), literal=False)
-
-
-def literal_relaxation_lp(problem: AveragingProblem) -> LinearProgram:
-    """Eq. 5 as written, with its n^3 rows; for tests and benchmarks."""
-    return _relaxation(_scale(problem), literal=True)
+    """Every ordered pair (i, j) with i != j, row-major."""
+    return np.nonzero(~np.eye(n, dtype=bool))
 
 
 def solve_lp(program: LinearProgram) -> np.ndarray:
-    """Solves with HiGHS' dual simplex: a vertex, the same one for the same input."""
+    """HiGHS' dual simplex: a vertex, the same one for the same input."""
     result = linprog(
         program.cost,
         A_ub=program.matrix,
@@ -329,181 +277,328 @@ def solve_lp(program: LinearProgram) -> np.ndarray:
     return result.x
 
 
+# --- eq. 5 ---------------------------------------------------------------------------
+
+
+class _Eq5Index:
+    """Variables: xi, c (n), r (n), a (n x n, a[i, j]: i sends to j), g (n x n)."""
+
+    def __init__(self, n: int) -> None:
+        self.xi = 0
+        self.c = 1 + np.arange(n)
+        self.r = 1 + n + np.arange(n)
+        self.a = 1 + 2 * n + np.arange(n * n).reshape(n, n)
+        self.g = 1 + 2 * n + n * n + np.arange(n * n).reshape(n, n)
+        self.size = 1 + 2 * n + 2 * n * n
+
+
+def _eq5(m: _Scaled, literal: bool) -> LinearProgram:
+    n, ix = m.n, _Eq5Index(m.n)
+    rows = _Rows(ix.size)
+    ones = np.ones(n)
+    big_m = m.download  # the paper's M_i = d_i
+    rows.add(np.concatenate(([ix.xi], ix.c)), np.concatenate(([1.0], -m.compute)), 0.0)
+    # a computing peer gets the whole vector back: xi <= sum_j g_ji + (1 - c_i) X, where
+    # X = 1 unit bounds every plan's steps/s (see _scale)
+    rows.add(np.column_stack([np.full(n, ix.xi), ix.c, ix.g.T]), np.concatenate(([1.0, 1.0], -ones)), 1.0)
+    if literal:  # g_ij <= a_ki + (1 - c_k) M_i for all i, j, k
+        i, j, k = (axis.ravel() for axis in np.indices((n, n, n)))
+        rows.add_when(ix.g[i, j], ix.a[k, i], ix.c[k], big_m[i])
+    else:
+        agg = np.flatnonzero(m.aggregates)
+        i, j = np.repeat(agg, n), np.tile(np.arange(n), agg.size)
+        rows.add(np.column_stack([ix.g[i, j], ix.r[i]]), np.array([1.0, -1.0]), 0.0)  # g_ij <= r_i
+        k, i = _pairs(n)
+        k, i = k[m.aggregates[i]], i[m.aggregates[i]]  # r_i <= a_ki + (1 - c_k) M_i, k != i
+        rows.add_when(ix.r[i], ix.a[k, i], ix.c[k], big_m[i])
+    off = ~np.eye(n, dtype=bool)
+    rows.add(np.column_stack([ix.a.T[off].reshape(n, n - 1), ix.g.T[off].reshape(n, n - 1)]), 1.0, m.download)
+    rows.add(np.column_stack([ix.a[off].reshape(n, n - 1), ix.g[off].reshape(n, n - 1)]), 1.0, m.upload)
+    i, j = _pairs(n)
+    capped = np.isfinite(m.links[i, j])
+    i, j = i[capped], j[capped]
+    rows.add(np.column_stack([ix.a[i, j], ix.g[i, j]]), 1.0, m.links[i, j])
+
+    lower, upper = np.zeros(ix.size), np.full(ix.size, np.inf)
+    upper[ix.c] = 1.0
+    clients = ~m.aggregates
+    upper[ix.r[clients]] = 0.0
+    upper[ix.g[clients].ravel()] = 0.0
+    upper[ix.a[:, clients].ravel()] = 0.0
+    if not literal:
+        upper[np.diag(ix.a)] = 0.0  # a_ii appears only in the literal k = i rows
+    return rows.program(ix.xi, lower, upper)
+
+
+def relaxation_lp(problem: AveragingProblem) -> LinearProgram:
+    """Eq. 5 in the compact form: 2 n^2 + O(n) rows (fewer with client-mode peers)."""
+    return _eq5(_scale(problem), literal=False)
+
+
+def literal_relaxation_lp(problem: AveragingProblem) -> LinearProgram:
+    """Eq. 5 with the n^3 rows as the paper writes them (receive rows as in
+    `relaxation_lp`): only for tests and benchmarks."""
+    return _eq5(_scale(problem), literal=True)
+
+
 def solve_relaxation(problem: AveragingProblem) -> Relaxation:
-    """Eq. 5's optimum in steps/s and its fractional roles (peers sorted by name)."""
+    """Eq. 5's optimum in steps/s and its fractional roles."""
     m = _scale(problem)
-    x = solve_lp(_relaxation(m, literal=False))
-    ix = _RelaxationIndex(m.n)
-    return Relaxation(objective=float(x[ix.xi]) * m.unit, computes=x[ix.c])
+    x = solve_lp(_eq5(m, literal=False))
+    ix = _Eq5Index(m.n)
+    return Relaxation(steps_per_second=float(x[ix.xi]) * m.unit, computes=x[ix.c])
 
 
 # --- realizable plans ----------------------------------------------------------------
 
 
-def _milp_roles(m: _Scaled) -> np.ndarray:
-    """Binary roles of the best realizable plan (module docstring); variables xi, c, r, a."""
-    n, rows = m.n, _Rows()
-    xi, c, r = 0, 1 + np.arange(n), 1 + n + np.arange(n)
-    a = 1 + 2 * n + np.arange(n * n).reshape(n, n)
-    size = 1 + 2 * n + n * n
-    cap = m.capacity
+def _closed_form(m: _Scaled, roles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Steps/s and aggregation rate of each row of `roles` (bool, sets x n) with optimal
+    shares, ignoring link caps (module docstring)."""
+    w, agg = m.capacity, m.aggregates
+    k = roles.sum(axis=1)
+    computing_aggs = roles & agg
+    k_agg = computing_aggs.sum(axis=1)
+    w_all = w[agg].sum()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        spread = np.where(
+            k_agg == 0,
+            w_all / k,  # only client-mode peers compute: aggregators each take in w_i / K
+            (2 * (computing_aggs @ w) + (k - 2) * w_all) / (k * (k - 2 + k_agg)),
+        )
+    rate = np.minimum(np.where(roles, w, np.inf).min(axis=1), spread)  # each sender carries R
+    rate = np.where((k == 1) & (k_agg == 1), np.inf, rate)  # a lone non-client trainer
+    rate = np.where(k == 0, 0.0, rate)
+    return np.minimum(roles @ m.compute, rate), rate
+
+
+def _better(steps: float, rate: float, than: tuple[float, float]) -> bool:
+    return steps > than[0] or (steps == than[0] and rate > than[1])
+
+
+def _local_search(m: _Scaled, roles: np.ndarray) -> np.ndarray:
+    """Flips one peer's role at a time while that raises (steps/s, aggregation rate)."""
+    flips = np.eye(m.n, dtype=bool)
+    steps, rate = _closed_form(m, roles[None])
+    current = (float(steps[0]), float(rate[0]))
+    while True:
+        steps, rate = _closed_form(m, roles[None] ^ flips)
+        best = max(range(m.n), key=lambda k: (steps[k], rate[k], -k))
+        if not _better(steps[best], rate[best], current):
+            return roles
+        roles = roles ^ flips[best]
+        current = (float(steps[best]), float(rate[best]))
+
+
+def _headroom_rates(m: _Scaled, roles: np.ndarray, rate: float) -> np.ndarray:
+    """Aggregator rates summing to `rate` (the link-free optimum for these roles), each
+    the same fraction of what its traffic row allows at that rate."""
+    w, k = m.capacity, roles.sum()
+    computing = np.maximum(w - rate, 0.0) / (k - 2) if k > 2 else w  # with K <= 2, r_i costs i nothing
+    headroom = np.where(m.aggregates, np.where(roles, computing, w / k), 0.0)
+    return headroom * (rate / headroom.sum())
+
+
+def _share_rates(m: _Scaled, roles: np.ndarray) -> np.ndarray:
+    """Aggregator rates r (units) maximizing R = sum r with the roles fixed: in closed
+    form without link caps, else by LP (r_i <= w_i is implied but for a lone trainer)."""
+    n, c = m.n, roles.astype(float)
+    if roles.sum() == 1 and m.aggregates[roles].all():
+        return np.where(roles, np.inf, 0.0)
+    if not np.isfinite(m.links).any():
+        return _headroom_rates(m, roles, float(_closed_form(m, roles[None])[1][0]))
+    traffic = np.outer(c, np.ones(n)) * (1 - np.eye(n)) + np.diag(c.sum() - c)
     i, j = _pairs(n)
-    rows.add(np.concatenate(([xi], c)), np.concatenate(([1.0], -m.compute)), 0.0)
-    rows.add(np.concatenate(([xi], r)), np.concatenate(([1.0], -np.ones(n))), 0.0)
-    # a computing sender k sends aggregator i its part at r_i: r_i <= a_ki + (1 - c_k) cap_i
-    to_agg = m.aggregates[j]
-    senders, aggs = i[to_agg], j[to_agg]
-    rows.add(
-        np.column_stack([r[aggs], a[senders, aggs], c[senders]]),
-        np.column_stack([np.ones(aggs.size), -np.ones(aggs.size), cap[aggs]]),
-        cap[aggs],
-    )
-    off = ~np.eye(n, dtype=bool)
-    rows.add(np.column_stack([a[off].reshape(n, n - 1), a.T[off].reshape(n, n - 1)]), 1.0, cap)
-    pair_cap = np.minimum(m.links, m.links.T)
-    capped = np.isfinite(pair_cap[i, j]) & (i < j)
-    rows.add(np.column_stack([a[i[capped], j[capped]], a[j[capped], i[capped]]]), 1.0, pair_cap[i, j][capped])
-
-    lower, upper = np.zeros(size), np.full(size, np.inf)
-    upper[c] = 1.0
-    upper[r] = np.where(m.aggregates, cap, 0.0)
-    upper[np.diag(a)] = 0.0
-    upper[a[:, ~m.aggregates].ravel()] = 0.0
-    cost = np.zeros(size)
-    cost[xi] = -1.0
-    program = rows.program(cost, lower, upper)
-    integrality = np.zeros(size)
-    integrality[c] = 1
-    result = milp(
-        program.cost,
-        integrality=integrality,
-        bounds=Bounds(program.lower, program.upper),
-        constraints=LinearConstraint(program.matrix, -np.inf, program.rhs),
-        options={"node_limit": MILP_NODE_LIMIT, "mip_rel_gap": 1e-6},
-    )
-    if result.x is None:
-        raise RuntimeError(f"averaging MILP failed: {result.message}")
-    return np.round(result.x[c]).astype(bool)
-
-
-def _rounded_roles(m: _Scaled, relaxed: np.ndarray) -> list[np.ndarray]:
-    candidates = [relaxed >= threshold for threshold in ROUNDING_THRESHOLDS]
-    unique = {candidate.tobytes(): candidate for candidate in candidates if (candidate & (m.compute > 0)).any()}
-    return list(unique.values())
-
-
-def _solo_roles(m: _Scaled) -> np.ndarray | None:
-    """The fastest non-client trainer alone: nothing to exchange."""
-    speed = np.where(m.aggregates, m.compute, 0.0)
-    if speed.max() <= 0:
-        return None
-    return np.arange(m.n) == int(np.argmax(speed))
-
-
-def _best_rates(m: _Scaled, computes: np.ndarray) -> np.ndarray:
-    """Aggregator rates r (units) maximizing sum r with the roles fixed: traffic
-    c_i sum_{j != i} r_j + (K - c_i) r_i <= min(u_i, d_i), and per pair
-    c_i r_j + c_j r_i <= min(t_ij, t_ji). Unbounded only for a lone non-client trainer."""
-    n, cf = m.n, computes.astype(float)
-    if computes.sum() == 1 and m.aggregates[computes].all():
-        return np.where(computes, np.inf, 0.0)
-    traffic = np.outer(cf, np.ones(n)) * (1 - np.eye(n)) + np.diag(cf.sum() - cf)
-    i, j = _pairs(n)
-    pair_cap = np.minimum(m.links, m.links.T)
-    capped = np.isfinite(pair_cap[i, j]) & (i < j) & ((cf[i] + cf[j]) > 0)
-    link_rows = np.zeros((int(capped.sum()), n))
-    link_rows[np.arange(link_rows.shape[0]), j[capped]] = cf[i[capped]]
-    link_rows[np.arange(link_rows.shape[0]), i[capped]] += cf[j[capped]]
+    caps = m.pair_caps[i, j]
+    keep = np.isfinite(caps) & (i < j) & (c[i] + c[j] > 0)
+    i, j, caps = i[keep], j[keep], caps[keep]
+    links = np.zeros((i.size, n))
+    np.add.at(links, (np.arange(i.size), j), c[i])  # i's part to aggregator j
+    np.add.at(links, (np.arange(i.size), i), c[j])  # aggregator i's average back to j
     program = LinearProgram(
         cost=-np.ones(n),
-        matrix=csr_array(np.vstack([traffic, link_rows])),
-        rhs=np.concatenate([m.capacity, pair_cap[i, j][capped]]),
+        matrix=csr_array(np.vstack([traffic, links])),
+        rhs=np.concatenate([m.capacity, caps]),
         lower=np.zeros(n),
         upper=np.where(m.aggregates, m.capacity, 0.0),
     )
     return solve_lp(program)
 
 
-def _throughput(m: _Scaled, computes: np.ndarray, rates: np.ndarray) -> Throughput:
-    return Throughput(
-        compute_bound=float(m.compute[computes].sum()) * m.unit,
+class _MilpIndex:
+    """Variables: xi, R, c (n), r (n), digits of K (b), z = c R (n), y = c r (n),
+    h = digit * r (n x b), v[i, j] = c_i r_j for capped pairs (flat)."""
+
+    def __init__(self, n: int, num_linked: int) -> None:
+        self.bits = int(n).bit_length()
+        self.xi, self.total = 0, 1
+        self.c = 2 + np.arange(n)
+        self.r = self.c + n
+        self.digit = 2 + 2 * n + np.arange(self.bits)
+        self.z = 2 + 2 * n + self.bits + np.arange(n)
+        self.y = self.z + n
+        self.h = 2 + 4 * n + self.bits + np.arange(n * self.bits).reshape(n, self.bits)
+        self.v = 2 + 4 * n + self.bits + n * self.bits + np.arange(num_linked)
+        self.size = int(self.v[-1]) + 1 if num_linked else int(self.h.ravel()[-1]) + 1
+
+
+def _milp_program(m: _Scaled) -> tuple[LinearProgram, _MilpIndex]:
+    """The role choice as a MILP whose binaries are c and the digits of K.
+
+    Every product appears on the side where only one bound of its McCormick envelope is
+    needed, and with binary factors that bound is exact:
+    traffic_i = c_i R + K r_i - 2 c_i r_i <= w_i with z_i >= R - R_max (1 - c_i),
+    h_ib >= r_i - w_i (1 - digit_b), y_i <= r_i and y_i <= w_i c_i.
+    R_max = max w: every computing peer carries R when another one computes, and the
+    lone-trainer plan, the exception, is handled outside.
+    """
+    n, w = m.n, m.capacity
+    i, j = _pairs(n)
+    capped = np.isfinite(m.pair_caps[i, j])
+    li, lj = i[capped], j[capped]  # both orders of every capped pair
+    ix = _MilpIndex(n, li.size)
+    r_max = w.max()
+    rows = _Rows(ix.size)
+    ones = np.ones(n)
+    rows.add(np.concatenate(([ix.xi], ix.c)), np.concatenate(([1.0], -m.compute)), 0.0)
+    rows.add([ix.xi, ix.total], [1.0, -1.0], 0.0)
+    rows.add(np.concatenate(([ix.total], ix.r)), np.concatenate(([1.0], -ones)), 0.0)
+    weights = 2.0 ** np.arange(ix.bits)
+    k_minus_digits = np.concatenate((ix.c, ix.digit))
+    rows.add(k_minus_digits, np.concatenate((ones, -weights)), 0.0)  # sum c = K
+    rows.add(k_minus_digits, np.concatenate((-ones, weights)), 0.0)
+    rows.add(np.column_stack([ix.z, ix.y, ix.h]), np.concatenate(([1.0, -2.0], weights)), w)
+    rows.add_when(ix.total, ix.z, ix.c, r_max)
+    rows.add(np.column_stack([ix.y, ix.r]), np.array([1.0, -1.0]), 0.0)
+    rows.add(np.column_stack([ix.y, ix.c]), np.column_stack([ones, -w]), 0.0)
+    hi, hb = np.indices((n, ix.bits)).reshape(2, -1)
+    rows.add_when(ix.r[hi], ix.h[hi, hb], ix.digit[hb], w[hi])
+    # valid cut: a computing peer carries xi <= R each way (tightens the relaxation)
+    rows.add(np.column_stack([np.full(n, ix.xi), ix.c]), np.column_stack([ones, np.full(n, r_max)]), w + r_max)
+    # capped pair: c_i r_j + c_j r_i <= t_ij, with v_ij >= r_j - w_j (1 - c_i)
+    forward = li < lj
+    partner = np.flatnonzero(~forward)[np.lexsort((li[~forward], lj[~forward]))]
+    rows.add(np.column_stack([ix.v[forward], ix.v[partner]]), 1.0, m.pair_caps[li[forward], lj[forward]])
+    rows.add_when(ix.r[lj], ix.v, ix.c[li], w[lj])
+
+    lower, upper = np.zeros(ix.size), np.full(ix.size, np.inf)
+    upper[ix.c] = upper[ix.digit] = 1.0
+    upper[ix.r] = np.where(m.aggregates, w, 0.0)
+    upper[ix.total] = r_max
+    return rows.program(ix.xi, lower, upper), ix
+
+
+def _milp_roles(m: _Scaled) -> tuple[np.ndarray, bool]:
+    """The exact roles, and whether HiGHS proved them optimal within the node limit."""
+    program, ix = _milp_program(m)
+    integrality = np.zeros(ix.size)
+    integrality[ix.c] = integrality[ix.digit] = 1
+    result = milp(
+        program.cost,
+        integrality=integrality,
+        bounds=Bounds(program.lower, program.upper),
+        constraints=LinearConstraint(program.matrix, -np.inf, program.rhs),
+        options={"node_limit": MILP_NODE_LIMIT, "mip_rel_gap": 1e-7},
+    )
+    if result.x is None:
+        raise RuntimeError(f"averaging MILP failed: {result.message}")
+    return result.x[ix.c] > 0.5, result.status == 0
+
+
+def _rounded_roles(m: _Scaled) -> list[np.ndarray]:
+    """The MILP's relaxation rounded at 1/2, and every peer with samples; each improved
+    by local search."""
+    program, ix = _milp_program(m)
+    rounded = solve_lp(program)[ix.c] >= 0.5
+    starts = [rounded, m.compute > 0]
+    return [_local_search(m, start) for start in starts if start.any()]
+
+
+def _evaluate(m: _Scaled, roles: np.ndarray) -> tuple[Throughput, np.ndarray]:
+    rates = _share_rates(m, roles)
+    throughput = Throughput(
+        compute_bound=float(roles @ m.compute) * m.unit,
         aggregation_bound=float(rates.sum()) * m.unit,
     )
+    return throughput, rates
 
 
-def _shares(rates: np.ndarray) -> np.ndarray:
-    """Eq. 6: proportional to each aggregator's return rate."""
-    if np.isinf(rates).any():
-        return np.isinf(rates).astype(float)
-    return rates / rates.sum()
+def _plan(m: _Scaled, roles: np.ndarray, evaluated: tuple[Throughput, np.ndarray], started: float,
+          method: Method) -> AveragingPlan:
+    throughput, rates = evaluated
+    shares = np.isinf(rates).astype(float) if np.isinf(rates).any() else rates / rates.sum()  # eq. 6
+    return AveragingPlan(
+        compute_bound=throughput.compute_bound,
+        aggregation_bound=throughput.aggregation_bound,
+        peers=tuple(
+            PeerRole(name=name, computes_gradients=bool(roles[k]), aggregation_share=float(shares[k]))
+            for k, name in enumerate(m.names)
+        ),
+        solve_seconds=time.perf_counter() - started,
+        method=method,
+    )
 
 
 def plan_averaging(problem: AveragingProblem, exact: bool | None = None) -> AveragingPlan:
     """The best plan with binary roles: exact (MILP) up to `EXACT_MAX_PEERS` peers unless
-    `exact` says otherwise, else rounded from the relaxation."""
+    `exact` says otherwise, else rounded and improved; same input, same plan."""
     started = time.perf_counter()
     m = _scale(problem)
     use_milp = m.n <= EXACT_MAX_PEERS if exact is None else exact
+    candidates: list[np.ndarray] = []
+    proven = False
     if use_milp:
-        candidates = [_milp_roles(m)]
-    else:
-        ix = _RelaxationIndex(m.n)
-        candidates = _rounded_roles(m, solve_lp(_relaxation(m, literal=False))[ix.c])
-    solo = _solo_roles(m)
-    if solo is not None:
-        candidates.append(solo)
-    scored = []
-    for computes in candidates:
-        rates = _best_rates(m, computes)
-        throughput = _throughput(m, computes, rates)
-        scored.append((throughput.steps_per_second, throughput.aggregation_bound, -len(scored), computes, rates))
-    _, _, _, computes, rates = max(scored, key=lambda item: item[:3])
-    throughput = _throughput(m, computes, rates)
-    shares = _shares(rates)
-    roles = tuple(
-        PeerRole(name=name, computes_gradients=bool(computes[k]), aggregation_share=float(shares[k]))
-        for k, name in enumerate(m.names)
-    )
-    return AveragingPlan(
-        compute_bound=throughput.compute_bound,
-        aggregation_bound=throughput.aggregation_bound,
-        peers=roles,
-        solve_seconds=time.perf_counter() - started,
-        method="milp" if use_milp else "rounding",
-    )
+        roles, proven = _milp_roles(m)
+        candidates.append(roles)
+    if not proven:
+        candidates += _rounded_roles(m)
+    solo_speed = np.where(m.aggregates, m.compute, 0.0)
+    if solo_speed.max() > 0:
+        candidates.append(np.arange(m.n) == int(np.argmax(solo_speed)))  # the lone fastest trainer
+    candidates.append(np.ones(m.n, dtype=bool))  # all-reduce's roles: never worse than the baselines
+    scored = [_evaluate(m, roles) for roles in candidates]
+    best = max(range(len(scored)), key=lambda k: (scored[k][0].steps_per_second, scored[k][0].aggregation_bound, -k))
+    return _plan(m, candidates[best], scored[best], started, "milp" if proven else "rounding")
+
+
+def plan_for_roles(problem: AveragingProblem, computes: Mapping[str, bool]) -> AveragingPlan:
+    """The shares that maximize the aggregation rate for given roles (for example the
+    ones peers follow now, to see how far they are from `plan_averaging`'s)."""
+    started = time.perf_counter()
+    m = _scale(problem)
+    roles = np.array([computes[name] for name in m.names], dtype=bool)
+    if not roles.any():
+        raise ValueError("at least one peer must compute gradients")
+    return _plan(m, roles, _evaluate(m, roles), started, "fixed")
 
 
 # --- baselines under the same bandwidths ---------------------------------------------
 
 
-def _fixed_share_throughput(m: _Scaled, computes: np.ndarray, shares: np.ndarray) -> Throughput:
-    """Every peer's traffic per averaged vector is fixed by the shares; the tightest
-    peer or link sets the rate."""
-    cf = computes.astype(float)
-    per_peer = cf * (1 - shares) + (cf.sum() - cf) * shares
-    i, j = _pairs(m.n)
-    per_link = cf[i] * shares[j] + cf[j] * shares[i]  # i's part to j and i's average back to j
+def _fixed_shares(m: _Scaled, shares: np.ndarray) -> Throughput:
+    """Everyone computes; each peer's and link's traffic per vector is fixed by the
+    shares, and the tightest one sets the rate."""
+    n = m.n
+    per_peer = (1 - shares) + (n - 1) * shares
+    i, j = _pairs(n)
+    per_link = shares[j] + shares[i]  # i's part to j, and i's average back to j
     load = np.concatenate([per_peer, per_link])
     limit = np.concatenate([m.capacity, m.links[i, j]])
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rate = np.where(load > 0, limit / load, np.inf).min()
-    return _throughput(m, computes, np.array([rate]))
+    with np.errstate(divide="ignore"):
+        rate = float(np.where(load > 0, limit / load, np.inf).min())
+    return Throughput(compute_bound=float(m.compute.sum()) * m.unit, aggregation_bound=rate * m.unit)
 
 
 def all_reduce_baseline(problem: AveragingProblem) -> Throughput:
-    """Everyone computes; equal shares over the peers that accept connections, so each
-    peer moves 2(n-1)/n of the vector each way when none is in client mode."""
+    """Equal shares over the peers that accept connections: with none in client mode,
+    each peer moves 2(n-1)/n of the vector each way."""
     m = _scale(problem)
-    shares = m.aggregates / m.aggregates.sum()
-    return _fixed_share_throughput(m, np.ones(m.n, dtype=bool), shares)
+    return _fixed_shares(m, m.aggregates / m.aggregates.sum())
 
 
 def parameter_server_baseline(problem: AveragingProblem) -> Throughput:
-    """Everyone computes; the best single non-client peer aggregates the whole vector."""
+    """The best single non-client peer aggregates the whole vector; every other peer
+    sends and receives it once."""
     m = _scale(problem)
-    everyone = np.ones(m.n, dtype=bool)
-    options = [
-        _fixed_share_throughput(m, everyone, (np.arange(m.n) == server).astype(float))
-        for server in np.flatnonzero(m.aggregates)
-    ]
+    options = [_fixed_shares(m, (np.arange(m.n) == server).astype(float)) for server in np.flatnonzero(m.aggregates)]
     return max(options, key=lambda option: (option.steps_per_second, option.aggregation_bound))

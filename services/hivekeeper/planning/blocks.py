@@ -8,8 +8,8 @@ Petals' own rule (``src/petals/server/block_selection.py``) is local: a joining 
 takes the span whose blocks are worst off (`choose_best_start`), and online servers
 periodically simulate a rebalance and move when it would raise the minimum enough
 (`should_move`). A balancer that sees every server at once can do better: `plan_blocks`
-solves the max-min placement as a small integer program and then improves the rest of
-the sorted block throughputs by local search.
+bisects on the worst block's throughput with an exact branch-and-bound feasibility
+search, then improves the rest of the sorted block throughputs by local search.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.optimize import linprog
 from scipy.sparse import coo_array
 
 __all__ = [
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 DEFAULT_BALANCE_QUALITY = 0.75  # Petals' server default
-DEFAULT_NODE_LIMIT = 2000  # branch-and-bound nodes; a node limit (not a time limit) keeps plans deterministic
+DEFAULT_NODE_LIMIT = 20_000  # search nodes per plan, all bisection probes together
 _UNIT_SCALE = 2**40  # integer units per the largest throughput: exact sums, 1e-12 resolution
 
 
@@ -142,46 +142,45 @@ def plan_blocks(num_blocks: int, servers: Sequence[Server], node_limit: int = DE
     next worst, and so on (lexicographic max-min of the sorted block throughputs).
 
     1. Incumbents: Petals' greedy join in the given order and in order of decreasing
-       throughput, each improved by local search (below). The result is therefore
-       never worse than the greedy rule.
-    2. Bottleneck, exactly: an integer program over "how many servers of each
-       (throughput, length) class start at block s" with the objective max T subject
-       to every block's load >= T (HiGHS branch and bound, T bounded below by the
-       incumbent). Grouping identical servers removes the symmetry of homogeneous
-       swarms. When the node limit stops the search first, the solver's dual bound
-       still caps the optimum: `upper_bound` reports it and `optimal` is False.
+       throughput, each improved by local search (step 3). The plan is therefore never
+       worse than the greedy rule.
+    2. Bottleneck: bisection on the target minimum between the incumbent's and the
+       linear-relaxation bound, each probe an exact branch-and-bound feasibility search
+       (`_Sweep`). Probes that finish prove a target impossible; with the node limit
+       they always finish on small swarms, so small plans are optimal. On large ones
+       the search may stop early: `upper_bound` is then the best proven bound (at
+       worst the linear one) and `optimal` is False.
     3. Refinement: each server in turn moves to the start that makes the whole sorted
        load vector lexicographically largest; a move is taken only on strict
        improvement, so the minimum never drops and the search terminates.
 
     Loads are compared in integer units (throughput scaled to 2**40 per the largest
-    server), so sums are exact and the plan does not depend on summation order.
+    server), so sums are exact and the plan does not depend on summation order. Node
+    limits (not time limits) keep the result deterministic.
     """
     _check(num_blocks, servers)
     lengths = np.array([_clip(server.span_length, num_blocks) for server in servers], dtype=np.int64)
     weights = np.array([server.throughput for server in servers], dtype=float)
     units = _to_units(weights)
 
-    greedy = [span.start for span in greedy_join(num_blocks, servers)]
+    def rank(starts: np.ndarray) -> tuple[int, ...]:
+        return tuple(np.sort(_load(num_blocks, starts, lengths, units)).tolist())
+
+    greedy = np.array([span.start for span in greedy_join(num_blocks, servers)])
     by_speed = sorted(range(len(servers)), key=lambda i: (-weights[i], i))
-    greedy_fast_first = _greedy_starts(num_blocks, lengths, units, by_speed)
-    candidates = [_refine(num_blocks, np.array(starts), lengths, units) for starts in (greedy, greedy_fast_first)]
+    fast_first = _greedy_starts(num_blocks, lengths, units, by_speed)
+    incumbent = max((_refine(num_blocks, c, lengths, units) for c in (greedy, fast_first)), key=rank)
+    found, impossible = _bisect(num_blocks, lengths, units, incumbent, node_limit)
+    starts = max((incumbent, _refine(num_blocks, found, lengths, units)), key=rank)
 
-    incumbent_min = max(_load(num_blocks, c, lengths, units).min() for c in candidates)
-    exact, bound_units, proven = _max_min_milp(num_blocks, lengths, units, incumbent_min, node_limit)
-    if exact is not None:
-        candidates.append(_refine(num_blocks, exact, lengths, units))
-    starts = max(candidates, key=lambda c: tuple(np.sort(_load(num_blocks, c, lengths, units))))
-
-    best_units = _load(num_blocks, starts, lengths, units).min()
     load = block_throughput(num_blocks, servers, starts)
-    optimal = proven or best_units >= bound_units
-    upper_bound = float(load.min()) if optimal else float(bound_units) * weights.max() / _UNIT_SCALE
+    optimal = rank(starts)[0] >= impossible - 1
+    bound = float(load.min()) if optimal else (impossible - 1) * float(weights.max()) / _UNIT_SCALE
     return BlockPlan(
         assignments=tuple(Span(s.name, int(b), int(b + n)) for s, b, n in zip(servers, starts, lengths)),
         block_throughput=tuple(float(x) for x in load),
         min_throughput=float(load.min()),
-        upper_bound=max(upper_bound, float(load.min())),
+        upper_bound=max(bound, float(load.min())),
         optimal=optimal,
     )
 

@@ -64,7 +64,24 @@ class RoleContext:
         ).start()
         return self.endpoint
 
-    def make_dht(self, client_mode: bool = False):
+    def make_dht(self, client_mode: bool = False, attempts: int = 5):
+        """Join the DHT, retrying while the bootstrap peers are unreachable (a backbone that is
+        still starting, a loaded machine): the role fails only if they stay unreachable."""
+        from hivemind.p2p import P2PDaemonError
+
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._make_dht(client_mode)
+            except P2PDaemonError as e:
+                if attempt == attempts or "bootstrap" not in str(e):
+                    raise
+                logging.getLogger("hivekeeper").warning(
+                    "bootstrap peers unreachable, retrying", extra={"fields": {"attempt": attempt}}
+                )
+                time.sleep(min(2.0 * attempt, 10.0))
+        raise AssertionError("unreachable")
+
+    def _make_dht(self, client_mode: bool):
         import hivemind
 
         host_maddrs = [f"/ip4/{self.args.host}/tcp/{self.args.p2p_port}"]

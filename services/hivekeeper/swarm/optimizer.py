@@ -67,6 +67,22 @@ def make_instrumented_classes():
     Built lazily so that importing this module does not import hivemind."""
     import hivemind
     from hivemind.optim.grad_averager import GradientAverager
+    from hivemind.optim.progress_tracker import ProgressTracker
+
+    class BatchBoundTracker(ProgressTracker):
+        """Steps only once the collaboration has really accumulated targetBatchSize samples
+        (or a peer is already ahead). hivemind also steps when its *estimated* time of the next
+        epoch has passed; right after start-up its throughput estimate is unbounded, so a lone
+        peer takes dozens of steps on one small batch each. That breaks the promise that every
+        optimizer step sees the global batch, which is what makes this large-batch SGD. The
+        estimate still schedules matchmaking ahead of time."""
+
+        @property
+        def ready_to_update_epoch(self) -> bool:
+            return (
+                self.global_epoch > self.local_progress.epoch
+                or self.global_progress.samples_accumulated >= self.target_batch_size
+            )
 
     class CountingGradientAverager(GradientAverager):
         """Counts bytes of tensor parts moved in all-reduce. The all-reduce runs in the averager's
@@ -106,21 +122,42 @@ def make_instrumented_classes():
             self.state_loads = 0
             super().__init__(*args, **kwargs)
 
+        def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
+            return BatchBoundTracker(
+                dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size, client_mode=self.client_mode,
+                status_loglevel=self.status_loglevel, start=True, **kwargs,
+            )
+
         def load_state_from_peers(self, **kwargs: Any) -> None:
             self.state_loads += 1
             self.metrics.state_loads.inc()
             super().load_state_from_peers(**kwargs)
 
+        def _update_global_epoch(self, grad_scaler) -> None:
+            self._round_recorded = False
+            epoch = self.local_epoch
+            super()._update_global_epoch(grad_scaler)
+            if self.use_gradient_averaging and not self._round_recorded:
+                # hivemind steps alone (no all-reduce) when it sees no other peer
+                self._record_round("skipped", 1, 0.0, epoch)
+
         def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
             started = time.perf_counter()
             super()._average_gradients_and_load_into_optimizer(maybe_step_control)
             seconds = time.perf_counter() - started
+            members: list[str] = []
             if maybe_step_control is None:
                 outcome, group_size = "skipped", 1
             elif maybe_step_control.done() and maybe_step_control.exception() is None:
-                outcome, group_size = "success", len(maybe_step_control.result())
+                members = sorted(str(peer) for peer in maybe_step_control.result())
+                outcome, group_size = "success", len(members)
             else:
                 outcome, group_size = "failure", 0
+            self._record_round(outcome, group_size, seconds, self.local_epoch, members)
+
+        def _record_round(self, outcome: str, group_size: int, seconds: float, epoch: int,
+                          members: list[str] = ()) -> None:
+            self._round_recorded = True
             self.metrics.averaging_rounds.labels(outcome).inc()
             if outcome == "success":
                 self.metrics.averaging_round_duration.observe(seconds)
@@ -129,8 +166,9 @@ def make_instrumented_classes():
                 "outcome": outcome,
                 "groupSize": group_size,
                 "seconds": round(seconds, 4),
-                "epoch": self.local_epoch,
+                "epoch": epoch,
                 "time": time.time(),
+                "members": list(members) or [str(self.dht.peer_id)],
             }
             self.sync_byte_counters()
 
@@ -161,7 +199,7 @@ def make_collaborative_optimizer(
     InstrumentedOptimizer, CountingGradientAverager = make_instrumented_classes()
     averaging = spec.averaging
     grad_compression = compression(averaging.compression)
-    return InstrumentedOptimizer(
+    optimizer = InstrumentedOptimizer(
         dht=dht,
         run_id=run_id,
         params=model.parameters(),
@@ -188,3 +226,17 @@ def make_collaborative_optimizer(
         metrics=metrics,
         verbose=False,
     )
+    reset_step_counters(optimizer.state_averager.optimizer)
+    return optimizer
+
+
+def reset_step_counters(optimizer: torch.optim.Optimizer) -> None:
+    """hivemind creates the optimizer's state with one speculative step on zero gradients, which
+    leaves Adam's step count at 1: the first real step then uses the bias correction of the
+    second, a different update than single-process training makes. Start the count at 0."""
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = 0

@@ -34,12 +34,38 @@ def index_stream(train_size: int, batch_size: int, seed: int) -> Iterator[list[i
 
 
 class Trace:
+    """What a trainer did, for checking the collaboration against single-process training:
+    every batch (examples, loss, whether it was accumulated), every averaging round, and the
+    parameters each time they change (a snapshot file beside the trace)."""
+
     def __init__(self, path: Optional[str]):
+        self._path = Path(path) if path else None
         self._file = open(path, "a", buffering=1) if path else None
+        self._snapshots = 0
+        self._digest: Optional[float] = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
 
     def write(self, **record: Any) -> None:
         if self._file:
             self._file.write(json.dumps(record) + "\n")
+
+    def snapshot_if_changed(self, model: torch.nn.Module) -> None:
+        """Parameters change at a step, a state load, or when hivemind applies a delayed state
+        averaging result (at the start of a later step): compare a digest before every batch."""
+        if not self._file:
+            return
+        with torch.no_grad():
+            digest = sum(float(p.double().square().sum()) + float(p.double().sum()) for p in model.parameters())
+        if digest == self._digest:
+            return
+        self._digest = digest
+        self._snapshots += 1
+        path = self._path.with_name(f"{self._path.stem}-params-{self._snapshots}.pt")
+        torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, path)
+        self.write(type="params", file=path.name)
 
     def close(self) -> None:
         if self._file:
@@ -96,6 +122,7 @@ def _loop(ctx: RoleContext, dht, opt, task, model, batch_size: int, device, trac
                 break
             _report(ctx, dht, opt, step_loss, total_samples, samples_window)
 
+        trace.snapshot_if_changed(model)
         indices = next(batches)
         batch = task.to_device(task.train_batch(indices), device)
         loss = task.loss(model, batch)
@@ -109,7 +136,7 @@ def _loop(ctx: RoleContext, dht, opt, task, model, batch_size: int, device, trac
         trace.write(type="batch", epoch=epoch, indices=indices, loss=loss.item(), accumulated=accumulated)
         if opt.last_round is not last_round_seen and opt.last_round:
             last_round_seen = opt.last_round
-            trace.write(type="round", **{**last_round_seen, "epoch": epoch})
+            trace.write(type="round", peer=str(dht.peer_id), **{**last_round_seen, "epoch": epoch})
         if accumulated:
             epoch_losses.append(loss.item())
         if opt.local_epoch != epoch:

@@ -1,0 +1,161 @@
+"""`hivekeeper plan averaging --input FILE [--json]`: the averaging plan of a swarm
+described in a YAML or JSON file, against all-reduce and a parameter server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import Field, ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from hivekeeper.errors import UserError, format_validation_error
+from hivekeeper.planning.averaging_lp import (
+    AveragingPlan,
+    AveragingProblem,
+    PeerCapacity,
+    Throughput,
+    all_reduce_baseline,
+    parameter_server_baseline,
+    plan_averaging,
+)
+from hivekeeper.planning.group_size import optimal_group_size
+from hivekeeper.spec.base import SpecModel
+
+Mbps = Annotated[float, Field(gt=0)]
+
+
+class PeerInput(SpecModel):
+    name: str = Field(min_length=1)
+    samples_per_second: float = Field(ge=0)
+    upload_mbps: Mbps
+    download_mbps: Mbps
+    client_mode: bool = False
+
+
+class AveragingInput(SpecModel):
+    target_batch_size: int = Field(gt=0)
+    num_parameters: int = Field(gt=0)
+    bytes_per_parameter: float = Field(default=4.0, gt=0)
+    failure_probability: float = Field(default=0.0, ge=0, lt=1)  # per peer and attempt (group size)
+    peers: list[PeerInput] = Field(min_length=1)
+    links: dict[str, dict[str, Mbps]] = Field(default_factory=dict)
+
+
+def _load(path: str) -> AveragingInput:
+    try:
+        data = yaml.safe_load(Path(path).read_text())  # JSON is YAML too
+    except OSError as e:
+        raise UserError(f"{path}: cannot read: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"{path}: not valid YAML or JSON{where}") from e
+    try:
+        spec = AveragingInput.model_validate(data)
+    except ValidationError as e:
+        raise UserError(format_validation_error(e, source=path)) from e
+    _check_consistency(spec, path)
+    return spec
+
+
+def _check_consistency(spec: AveragingInput, path: str) -> None:
+    """What pydantic cannot see field by field; one line naming the field, like it."""
+    seen: set[str] = set()
+    for k, peer in enumerate(spec.peers):
+        if peer.name in seen:
+            raise UserError(f"{path}: peers.{k}.name: duplicate peer name {peer.name!r}")
+        seen.add(peer.name)
+    if not any(peer.samples_per_second > 0 for peer in spec.peers):
+        raise UserError(f"{path}: peers: no peer has samplesPerSecond > 0")
+    if all(peer.client_mode for peer in spec.peers):
+        raise UserError(f"{path}: peers: every peer is in clientMode, so none can aggregate")
+    for src, row in spec.links.items():
+        for name in (src, *row):
+            if name not in seen:
+                raise UserError(f"{path}: links.{src}: unknown peer {name!r}")
+        if src in row:
+            raise UserError(f"{path}: links.{src}.{src}: a peer has no link to itself")
+
+
+def _problem(spec: AveragingInput) -> AveragingProblem:
+    return AveragingProblem(
+        target_batch_size=spec.target_batch_size,
+        num_parameters=spec.num_parameters,
+        bytes_per_parameter=spec.bytes_per_parameter,
+        peers=[
+            PeerCapacity(peer.name, peer.samples_per_second, peer.upload_mbps, peer.download_mbps, peer.client_mode)
+            for peer in spec.peers
+        ],
+        links=spec.links,
+    )
+
+
+def _rates(throughput: Throughput) -> dict[str, float]:
+    return {"stepsPerSecond": throughput.steps_per_second, "averagingSeconds": throughput.averaging_seconds}
+
+
+def _report(
+    spec: AveragingInput, plan: AveragingPlan, group_size: int, baselines: dict[str, Throughput]
+) -> dict[str, Any]:
+    roles = {role.name: role for role in plan.peers}
+    return {
+        **_rates(plan),
+        "peers": [
+            {
+                "name": peer.name,
+                "computesGradients": roles[peer.name].computes_gradients,
+                "aggregationShare": roles[peer.name].aggregation_share,
+            }
+            for peer in spec.peers  # the input's order
+        ],
+        "groupSize": group_size,
+        "solveSeconds": plan.solve_seconds,
+        "method": plan.method,
+        "baselines": {name: _rates(throughput) for name, throughput in baselines.items()},
+    }
+
+
+def _print_table(spec: AveragingInput, report: dict[str, Any]) -> None:
+    console = Console()
+    table = Table(title="Averaging plan")
+    for column in ("peer", "samples/s", "up Mbps", "down Mbps", "computes", "share"):
+        table.add_column(column, justify="left" if column == "peer" else "right")
+    for peer, role in zip(spec.peers, report["peers"]):
+        name = f"{peer.name} (client)" if peer.client_mode else peer.name
+        computes = "yes" if role["computesGradients"] else "no"
+        table.add_row(
+            name, f"{peer.samples_per_second:g}", f"{peer.upload_mbps:g}", f"{peer.download_mbps:g}",
+            computes, f"{role['aggregationShare']:.1%}",
+        )
+    console.print(table)
+    strategies = Table(show_header=True)
+    for column in ("strategy", "steps/s", "averaging s", "plan speedup"):
+        strategies.add_column(column, justify="left" if column == "strategy" else "right")
+    ours = report["stepsPerSecond"]
+    rows = [("this plan", report), *((name, rates) for name, rates in report["baselines"].items())]
+    for name, rates in rows:
+        steps, seconds = rates["stepsPerSecond"], rates["averagingSeconds"]
+        strategies.add_row(name, f"{steps:.4g}", f"{seconds:.3g}", f"{ours / steps:.2f}x")
+    console.print(strategies)
+    console.print(
+        f"group size {report['groupSize']} of {len(spec.peers)} peers; "
+        f"solved by {report['method']} in {report['solveSeconds'] * 1e3:.1f} ms"
+    )
+
+
+def run_plan_averaging(input_path: str, as_json: bool) -> int:
+    spec = _load(input_path)
+    problem = _problem(spec)
+    plan = plan_averaging(problem)
+    baselines = {"allReduce": all_reduce_baseline(problem), "parameterServer": parameter_server_baseline(problem)}
+    group_size = optimal_group_size(len(spec.peers), spec.failure_probability)
+    report = _report(spec, plan, group_size, baselines)
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_table(spec, report)
+    return 0

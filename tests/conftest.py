@@ -1,0 +1,59 @@
+"""Shared helpers: manifests written to tmp dirs, and a check that no p2pd outlives a test."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+
+
+def p2pd_pids() -> set[int]:
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == "p2pd":
+                    pids.add(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def deep_update(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_update(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def write_manifest(directory: Path, changes: dict[str, Any] | None = None, base: str = "swarm-digits.yaml") -> Path:
+    document = yaml.safe_load((EXAMPLES / base).read_text())
+    document = deep_update(document, changes or {})
+    path = directory / "manifest.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+@pytest.fixture
+def no_leaked_p2pd():
+    """Fails the test if it leaves a p2pd behind (and kills the leftovers so later tests are clean)."""
+    before = p2pd_pids()
+    yield
+    leaked = p2pd_pids() - before
+    for pid in leaked:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not leaked, f"p2pd processes leaked: {sorted(leaked)}"

@@ -1,0 +1,143 @@
+"""`hivekeeper up` on loopback with real hivemind peers: it trains, serves metrics, survives a
+crashed trainer, writes its summary, and stops everything on Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import write_manifest
+
+SMALL = {"spec": {
+    "targetBatchSize": 128,
+    "trainers": {"replicas": 2, "batchSize": 32},
+    "auxiliary": {"replicas": 1},
+    "monitor": {"evalEverySteps": 4, "checkpointEverySteps": 8},
+    "stopping": {"targetSteps": 16, "targetMetric": None},
+}}
+
+
+def start_up(manifest: Path, run_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "hivekeeper", "up", str(manifest), "--run-dir", str(run_dir),
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def http_get(port: int, path: str) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as reply:
+            return reply.read().decode()
+    except OSError:
+        return None
+
+
+def ports(run_dir: Path) -> dict[str, int]:
+    path = run_dir / "ports.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def global_step(run_dir: Path) -> int:
+    status = http_get(ports(run_dir).get("monitor-0", 0), "/status") if ports(run_dir) else None
+    return json.loads(status)["globalStep"] if status else -1
+
+
+def processes_of(run_dir: Path) -> list[int]:
+    """PIDs of role processes started for this run (their command line names the run dir)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(run_dir).encode() in (entry / "cmdline").read_bytes() and b" up " not in (entry / "cmdline").read_bytes().replace(b"\0", b" "):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return [pid for pid in found if pid != os.getpid()]
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    match = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name}{labels} not exported"
+    return float(match.group(1))
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd):
+    run_dir = tmp_path / "run"
+    runner = start_up(write_manifest(tmp_path, SMALL), run_dir)
+    try:
+        wait_for(lambda: global_step(run_dir) >= 3, 150, "three global steps")
+
+        trainer_port = ports(run_dir)["trainer-0"]
+        text = wait_for(lambda: http_get(trainer_port, "/metrics"), 10, "trainer metrics")
+        assert metric(text, "hivekeeper_samples_total") > 0
+        assert metric(text, "hivekeeper_averaging_rounds_total", '{outcome="success"}') >= 1
+        assert metric(text, "hivekeeper_averaging_round_duration_seconds_count") >= 1
+        assert metric(text, "hivekeeper_averaging_group_size") == 3  # 2 trainers + 1 auxiliary
+        assert metric(text, "hivekeeper_averaging_sent_bytes_total") > 0
+        assert metric(text, "hivekeeper_averaging_received_bytes_total") > 0
+        assert metric(text, "hivekeeper_local_step") >= 1
+        assert http_get(trainer_port, "/readyz") == "ready\n" and http_get(trainer_port, "/healthz") == "ok\n"
+        backbone = http_get(ports(run_dir)["backbone-0"], "/metrics")
+        assert metric(backbone, "hivekeeper_peers_alive", '{role="trainer"}') >= 1
+
+        victim = [pid for pid in processes_of(run_dir)
+                  if b"trainer\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                  and b"--index\x001\x00" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert victim, "trainer-1 is running"
+        os.kill(victim[0], signal.SIGKILL)  # a crash, not a clean exit
+
+        out, err = runner.communicate(timeout=200)
+    finally:
+        if runner.poll() is None:
+            runner.send_signal(signal.SIGINT)
+            runner.wait(30)
+    assert runner.returncode == 0, err[-3000:]
+    summary = json.loads(out)
+    assert summary == json.loads((run_dir / "summary.json").read_text())
+    assert summary["state"] == "completed" and summary["globalStep"] >= 16
+    assert summary["restarts"] >= 1 and summary["processes"]["trainer-1"]["restarts"] >= 1
+    assert summary["metrics"]["accuracy"] > 0.7, summary["metrics"]
+    assert summary["wallSeconds"] > 0
+    assert Path(summary["checkpoint"]).exists()
+    assert not processes_of(run_dir)
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_ctrl_c_stops_every_process_within_10s(tmp_path, no_leaked_p2pd):
+    run_dir = tmp_path / "run"
+    manifest = write_manifest(tmp_path, {**SMALL, "spec": {**SMALL["spec"], "stopping": {"targetSteps": 10_000}}})
+    runner = start_up(manifest, run_dir)
+    try:
+        wait_for(lambda: global_step(run_dir) >= 1, 150, "the first global step")
+        assert len(processes_of(run_dir)) >= 5
+        runner.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        runner.wait(15)
+        stopped_in = time.monotonic() - started
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    assert runner.returncode == 130
+    assert stopped_in < 10.0, f"took {stopped_in:.1f}s"
+    assert not processes_of(run_dir), "every child is gone"
+    assert json.loads((run_dir / "summary.json").read_text())["state"] == "interrupted"
