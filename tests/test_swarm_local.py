@@ -22,7 +22,7 @@ SMALL = {"spec": {
     "trainers": {"replicas": 2, "batchSize": 32},
     "auxiliary": {"replicas": 1},
     "monitor": {"evalEverySteps": 4, "checkpointEverySteps": 8},
-    "stopping": {"targetSteps": 16, "targetMetric": None},
+    "stopping": {"targetSteps": 30, "targetMetric": None},
 }}
 
 
@@ -56,7 +56,7 @@ def ports(run_dir: Path) -> dict[str, int]:
 
 def global_step(run_dir: Path) -> int:
     status = http_get(ports(run_dir).get("monitor-0", 0), "/status") if ports(run_dir) else None
-    return json.loads(status)["globalStep"] if status else -1
+    return json.loads(status).get("globalStep", -1) if status else -1
 
 
 def processes_of(run_dir: Path) -> list[int]:
@@ -86,12 +86,19 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
     try:
         wait_for(lambda: global_step(run_dir) >= 3, 150, "three global steps")
 
+        def averaged_once() -> str | None:
+            for name in ("trainer-0", "trainer-1"):
+                text = http_get(ports(run_dir)[name], "/metrics")
+                if text and 'hivekeeper_averaging_rounds_total{outcome="success"} 0.0' not in text:
+                    return text
+            return None
+
+        text = wait_for(averaged_once, 90, "a trainer's first averaging round")
         trainer_port = ports(run_dir)["trainer-0"]
-        text = wait_for(lambda: http_get(trainer_port, "/metrics"), 10, "trainer metrics")
         assert metric(text, "hivekeeper_samples_total") > 0
         assert metric(text, "hivekeeper_averaging_rounds_total", '{outcome="success"}') >= 1
         assert metric(text, "hivekeeper_averaging_round_duration_seconds_count") >= 1
-        assert metric(text, "hivekeeper_averaging_group_size") == 3  # 2 trainers + 1 auxiliary
+        assert 2 <= metric(text, "hivekeeper_averaging_group_size") <= 3  # of 2 trainers + 1 auxiliary
         assert metric(text, "hivekeeper_averaging_sent_bytes_total") > 0
         assert metric(text, "hivekeeper_averaging_received_bytes_total") > 0
         assert metric(text, "hivekeeper_local_step") >= 1
@@ -113,7 +120,7 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
     assert runner.returncode == 0, err[-3000:]
     summary = json.loads(out)
     assert summary == json.loads((run_dir / "summary.json").read_text())
-    assert summary["state"] == "completed" and summary["globalStep"] >= 16
+    assert summary["state"] == "completed" and summary["globalStep"] >= 30
     assert summary["restarts"] >= 1 and summary["processes"]["trainer-1"]["restarts"] >= 1
     assert summary["metrics"]["accuracy"] > 0.7, summary["metrics"]
     assert summary["wallSeconds"] > 0

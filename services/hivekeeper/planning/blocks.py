@@ -8,18 +8,20 @@ Petals' own rule (``src/petals/server/block_selection.py``) is local: a joining 
 takes the span whose blocks are worst off (`choose_best_start`), and online servers
 periodically simulate a rebalance and move when it would raise the minimum enough
 (`should_move`). A balancer that sees every server at once can do better: `plan_blocks`
-bisects on the worst block's throughput with an exact branch-and-bound feasibility
-search, then improves the rest of the sorted block throughputs by local search.
+searches on the worst block's throughput, certifies the result against an upper bound,
+and then raises the rest of the sorted block throughputs.
 """
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 from scipy.optimize import linprog
-from scipy.sparse import coo_array
+from scipy.sparse import csc_array
 
 __all__ = [
     "BlockPlan",
@@ -34,7 +36,9 @@ __all__ = [
 ]
 
 DEFAULT_BALANCE_QUALITY = 0.75  # Petals' server default
-DEFAULT_NODE_LIMIT = 20_000  # search nodes per plan, all bisection probes together
+DEFAULT_ITERATIONS = 40_000  # annealing moves per plan
+DEFAULT_NODE_LIMIT = 20_000  # exact-search nodes per plan, all bisection probes together
+_TEMPERATURE = 0.03  # starting annealing temperature, per largest server throughput
 _UNIT_SCALE = 2**40  # integer units per the largest throughput: exact sums, 1e-12 resolution
 
 
@@ -137,47 +141,55 @@ def should_move(
 # --- the global planner --------------------------------------------------------------
 
 
-def plan_blocks(num_blocks: int, servers: Sequence[Server], node_limit: int = DEFAULT_NODE_LIMIT) -> BlockPlan:
+def plan_blocks(
+    num_blocks: int,
+    servers: Sequence[Server],
+    iterations: int = DEFAULT_ITERATIONS,
+    node_limit: int = DEFAULT_NODE_LIMIT,
+) -> BlockPlan:
     """One contiguous span per server maximizing the worst block's throughput, then the
     next worst, and so on (lexicographic max-min of the sorted block throughputs).
 
-    1. Incumbents: Petals' greedy join in the given order and in order of decreasing
-       throughput, each improved by local search (step 3). The plan is therefore never
-       worse than the greedy rule.
-    2. Bottleneck: bisection on the target minimum between the incumbent's and the
-       linear-relaxation bound, each probe an exact branch-and-bound feasibility search
-       (`_Sweep`). Probes that finish prove a target impossible; with the node limit
-       they always finish on small swarms, so small plans are optimal. On large ones
-       the search may stop early: `upper_bound` is then the best proven bound (at
-       worst the linear one) and `optimal` is False.
-    3. Refinement: each server in turn moves to the start that makes the whole sorted
-       load vector lexicographically largest; a move is taken only on strict
-       improvement, so the minimum never drops and the search terminates.
+    The bottleneck problem is NP-hard (with one-block spans it is bin covering), so
+    the planner searches parametrically on the target minimum T and certifies what it
+    finds:
+
+    1. Start from Petals' greedy join in the given order: the plan is never worse.
+    2. Upper bound: the linear relaxation (a server's throughput may be split across
+       starts). No plan beats it; it also caps the targets tried below.
+    3. Annealing on the shortfall sum(max(0, T - load)) with moves that shift,
+       relocate or swap spans. Zero shortfall proves T reachable; T then rises halfway
+       to the bound, and falls halfway back when a target resists for a while.
+    4. Exact probes: bisection on T with a branch-and-bound feasibility search
+       (`_Sweep`). On small swarms every probe completes, so the plan is optimal and
+       `optimal` says so; on large ones the node limit stops it and `upper_bound`
+       is the best proven bound (the smallest target proven impossible, else the
+       linear one).
+    5. Tie-break: each server in turn moves to the start that makes the sorted load
+       vector lexicographically largest, only on strict improvement, so the minimum
+       never drops and the loop ends.
 
     Loads are compared in integer units (throughput scaled to 2**40 per the largest
-    server), so sums are exact and the plan does not depend on summation order. Node
-    limits (not time limits) keep the result deterministic.
+    server), so sums are exact and independent of summation order. A seeded generator
+    and iteration/node limits (never time limits) make the plan deterministic.
     """
     _check(num_blocks, servers)
     lengths = np.array([_clip(server.span_length, num_blocks) for server in servers], dtype=np.int64)
     weights = np.array([server.throughput for server in servers], dtype=float)
     units = _to_units(weights)
 
-    def rank(starts: np.ndarray) -> tuple[int, ...]:
-        return tuple(np.sort(_load(num_blocks, starts, lengths, units)).tolist())
+    best = np.array([span.start for span in greedy_join(num_blocks, servers)], dtype=np.int64)
+    low = int(_load(num_blocks, best, lengths, units).min())
+    impossible = int(_lp_bound(num_blocks, lengths, units)) + 1
+    best, low = _anneal(num_blocks, lengths, units, best, low, impossible, iterations)
+    best, low, impossible = _sweep_bisect(num_blocks, lengths, units, best, low, impossible, node_limit)
+    best = _refine(num_blocks, best, lengths, units)
 
-    greedy = np.array([span.start for span in greedy_join(num_blocks, servers)])
-    by_speed = sorted(range(len(servers)), key=lambda i: (-weights[i], i))
-    fast_first = _greedy_starts(num_blocks, lengths, units, by_speed)
-    incumbent = max((_refine(num_blocks, c, lengths, units) for c in (greedy, fast_first)), key=rank)
-    found, impossible = _bisect(num_blocks, lengths, units, incumbent, node_limit)
-    starts = max((incumbent, _refine(num_blocks, found, lengths, units)), key=rank)
-
-    load = block_throughput(num_blocks, servers, starts)
-    optimal = rank(starts)[0] >= impossible - 1
+    load = block_throughput(num_blocks, servers, best)
+    optimal = low >= impossible - 1
     bound = float(load.min()) if optimal else (impossible - 1) * float(weights.max()) / _UNIT_SCALE
     return BlockPlan(
-        assignments=tuple(Span(s.name, int(b), int(b + n)) for s, b, n in zip(servers, starts, lengths)),
+        assignments=tuple(Span(s.name, int(b), int(b + n)) for s, b, n in zip(servers, best, lengths)),
         block_throughput=tuple(float(x) for x in load),
         min_throughput=float(load.min()),
         upper_bound=max(bound, float(load.min())),
@@ -192,7 +204,7 @@ def block_throughput(num_blocks: int, servers: Sequence[Server], starts: Sequenc
     return _load(num_blocks, np.asarray(starts, dtype=np.int64), lengths, weights)
 
 
-# --- internals -----------------------------------------------------------------------
+# --- shared helpers ------------------------------------------------------------------
 
 
 def _check(num_blocks: int, servers: Sequence[Server]) -> None:
@@ -235,29 +247,20 @@ def _lex_extreme(rows: np.ndarray) -> np.ndarray:
     return candidates
 
 
-def _greedy_starts(num_blocks: int, lengths: np.ndarray, weights: np.ndarray, order: Sequence[int]) -> np.ndarray:
-    load = np.zeros(num_blocks, dtype=weights.dtype)
-    starts = np.zeros(len(lengths), dtype=np.int64)
-    for i in order:
-        starts[i] = choose_best_start(load, lengths[i])
-        load[starts[i] : starts[i] + lengths[i]] += weights[i]
-    return starts
-
-
-def _greedy_restart(load: np.ndarray, starts: np.ndarray, lengths: np.ndarray, weights: np.ndarray, i: int) -> int:
+def _greedy_restart(load: np.ndarray, starts: np.ndarray, lengths: np.ndarray, units: np.ndarray, i: int) -> int:
     """Server i leaves and rejoins at its greedy best start; `load` and `starts` are
     updated in place. Staying wins ties (Petals: subtract its throughput times 1 + eps)."""
     start, length = starts[i], lengths[i]
-    load[start : start + length] -= weights[i]
+    load[start : start + length] -= units[i]
     windows = np.sort(np.lib.stride_tricks.sliding_window_view(load, length), axis=1)
     best = _lex_extreme(-windows)
     new = start if start in best else int(best[0])
-    load[new : new + length] += weights[i]
+    load[new : new + length] += units[i]
     starts[i] = new
     return new
 
 
-def _settle(load: np.ndarray, starts: np.ndarray, lengths: np.ndarray, weights: np.ndarray) -> None:
+def _settle(load: np.ndarray, starts: np.ndarray, lengths: np.ndarray, units: np.ndarray) -> None:
     """Every server re-chooses greedily, in index order, until none moves. Petals
     shuffles the order at random; a fixed order keeps the answer deterministic. The
     round cap guards against a cycle, which greedy moves do not rule out."""
@@ -265,9 +268,270 @@ def _settle(load: np.ndarray, starts: np.ndarray, lengths: np.ndarray, weights: 
         moved = False
         for i in range(len(starts)):
             before = starts[i]
-            moved |= _greedy_restart(load, starts, lengths, weights, i) != before
+            moved |= _greedy_restart(load, starts, lengths, units, i) != before
         if not moved:
             return
+
+
+# --- planner internals ---------------------------------------------------------------
+
+
+def _lp_bound(num_blocks: int, lengths: np.ndarray, units: np.ndarray) -> float:
+    """Upper bound on the best minimum, in units: the linear relaxation. There a
+    server's throughput may be spread over starts, so servers of equal length pool
+    into one mass per length, which keeps the program small."""
+    mass: dict[int, int] = {}
+    for length, unit in zip(lengths.tolist(), units.tolist()):
+        mass[length] = mass.get(length, 0) + unit
+    scale = float(max(mass.values()))
+    if scale <= 0:
+        return 0.0
+    rows, cols, owner = [], [], []  # variables: the mass starting at each (length, start)
+    column = 0
+    for k, length in enumerate(sorted(mass)):
+        starts = np.arange(num_blocks - length + 1)
+        rows.append((starts[:, None] + np.arange(length)).ravel())
+        cols.append(np.repeat(starts + column, length))
+        owner.append(np.full(len(starts), k))
+        column += len(starts)
+    rows, cols = np.concatenate(rows), np.concatenate(cols)
+    # The last variable is T; one row per block: T - load(b) <= 0.
+    cover = csc_array(
+        (
+            np.concatenate([-np.ones(len(rows)), np.ones(num_blocks)]),
+            (np.concatenate([rows, np.arange(num_blocks)]), np.concatenate([cols, np.full(num_blocks, column)])),
+        ),
+        shape=(num_blocks, column + 1),
+    )
+    pools = csc_array((np.ones(column), (np.concatenate(owner), np.arange(column))), shape=(len(mass), column + 1))
+    objective = np.zeros(column + 1)
+    objective[-1] = -1.0
+    result = linprog(
+        objective,
+        A_ub=cover,
+        b_ub=np.zeros(num_blocks),
+        A_eq=pools,
+        b_eq=np.array([mass[length] for length in sorted(mass)]) / scale,
+        method="highs",
+    )
+    return -result.fun * scale * (1 + 1e-9)  # the margin absorbs the solver's tolerance
+
+
+class _Shortfall:
+    """Block loads and their total shortfall below a target, updated move by move."""
+
+    def __init__(self, num_blocks: int, lengths: list[int], units: list[int], starts: list[int], target: int):
+        self.lengths, self.units, self.starts = lengths, units, list(starts)
+        self.load = _load(num_blocks, np.array(starts), np.array(lengths), np.array(units)).tolist()
+        self.retarget(target)
+
+    def retarget(self, target: int) -> None:
+        self.target = target
+        self.total = sum(target - x for x in self.load if x < target)
+
+    def move(self, i: int, new: int) -> int:
+        """Move server i to start `new`; returns the change in total shortfall. Only
+        the blocks the span leaves or enters are touched."""
+        old, length, unit = self.starts[i], self.lengths[i], self.units[i]
+        if new >= old:
+            change = self._add(old, min(old + length, new), -unit) + self._add(max(old + length, new), new + length, unit)
+        else:
+            change = self._add(max(new + length, old), old + length, -unit) + self._add(new, min(new + length, old), unit)
+        self.starts[i] = new
+        self.total += change
+        return change
+
+    def _add(self, first: int, last: int, unit: int) -> int:
+        load, target, change = self.load, self.target, 0
+        for b in range(first, last):
+            before = load[b]
+            load[b] = after = before + unit
+            change += (target - after if after < target else 0) - (target - before if before < target else 0)
+        return change
+
+
+def _anneal(
+    num_blocks: int, lengths: np.ndarray, units: np.ndarray, best: np.ndarray, low: int, high: int, iterations: int
+) -> tuple[np.ndarray, int]:
+    """Simulated annealing on the shortfall below a moving target T between `low`
+    (reached by `best`) and `high` (a bound). Returns the best starts and their minimum."""
+    lengths_, units_ = lengths.tolist(), units.tolist()
+    rnd = random.Random(0)
+    patience = max(iterations // 10, 1)
+    temperature = _TEMPERATURE * max(units_)
+    state = _Shortfall(num_blocks, lengths_, units_, best.tolist(), (low + high) // 2)
+    stalled = 0
+    for step in range(iterations):
+        if high - low <= 1:
+            break
+        cooling = temperature * (1 - step / iterations)
+        change, undo = _random_move(state, num_blocks, rnd)
+        if change > 0 and rnd.random() >= math.exp(-change / cooling):
+            for i, start in reversed(undo):
+                state.move(i, start)
+        stalled += 1
+        if state.total == 0:
+            best, low, stalled = np.array(state.starts), min(state.load), 0
+            state.retarget((low + high) // 2)
+        elif stalled > patience:  # T resists: aim lower, from the best plan
+            high, stalled = state.target, 0
+            state = _Shortfall(num_blocks, lengths_, units_, best.tolist(), (low + high) // 2)
+    return best, low
+
+
+def _random_move(state: _Shortfall, num_blocks: int, rnd: random.Random) -> tuple[int, list[tuple[int, int]]]:
+    """Swap two servers' starts, relocate one anywhere, or shift one by 1-2 blocks.
+    Returns the shortfall change and the (server, old start) pairs to undo it."""
+    count, kind = len(state.starts), rnd.random()
+    if kind < 0.3 and count > 1:
+        i, j = rnd.sample(range(count), 2)
+        old_i, old_j = state.starts[i], state.starts[j]
+        change = state.move(i, min(old_j, num_blocks - state.lengths[i]))
+        change += state.move(j, min(old_i, num_blocks - state.lengths[j]))
+        return change, [(i, old_i), (j, old_j)]
+    i = rnd.randrange(count)
+    old, last = state.starts[i], num_blocks - state.lengths[i]
+    new = rnd.randint(0, last) if kind < 0.6 else min(max(old + rnd.choice((-2, -1, 1, 2)), 0), last)
+    return state.move(i, new), [(i, old)]
+
+
+class _OutOfNodes(Exception):
+    pass
+
+
+class _Sweep:
+    """Decision search: is there a placement where every block's load is >= target?
+
+    Exact by a shifting argument: in a feasible placement, a server whose first block
+    would stay >= target without it can move one block right without harm. So some
+    feasible placement has every server either *needed* at its first block or at its
+    rightmost start. The search sweeps left to right and, at the leftmost block short
+    of the target, branches on which unplaced server starts there (clamped to its
+    rightmost start). Servers starting at one block are taken in a fixed order, and of
+    identical servers only the first is tried. Candidates are tried best fit first
+    (least throughput-blocks wasted); limited discrepancy search (allow k departures
+    from that order, k = 0, 1, ...) finds good placements early, and a pass that never
+    had to cut a branch was exhaustive, which proves infeasibility.
+    """
+
+    def __init__(self, num_blocks: int, lengths: np.ndarray, units: np.ndarray):
+        self.order = sorted(range(len(units)), key=lambda i: (int(units[i]), int(lengths[i]), i))
+        self.n = num_blocks
+        self.lengths = [int(lengths[i]) for i in self.order]
+        self.units = [int(units[i]) for i in self.order]
+        kinds: dict[tuple[int, int], int] = {}
+        self.kind = [kinds.setdefault(key, len(kinds)) for key in zip(self.lengths, self.units)]
+
+    def solve(self, target: int, node_limit: int) -> tuple[np.ndarray | None, bool, int]:
+        """(starts or None, whether the answer is proven, nodes used)."""
+        used = 0
+        for discrepancies in range(len(self.order) * len(self.order) + 1):
+            self._reset(target, node_limit - used)
+            try:
+                found = self._search(0, 0, discrepancies)
+            except _OutOfNodes:
+                return None, False, node_limit
+            used += self.nodes
+            if found:
+                return self._starts(), True, used
+            if not self.cut:
+                return None, True, used
+        return None, False, used
+
+    def _reset(self, target: int, node_limit: int) -> None:
+        self.target, self.node_limit, self.nodes, self.cut = target, node_limit, 0, False
+        self.load = [0] * self.n
+        self.starts = [-1] * len(self.order)
+        self.shortfall = target * self.n
+
+    def _search(self, block: int, first: int, discrepancies: int) -> bool:
+        if self.load[block] >= self.target:
+            while block < self.n and self.load[block] >= self.target:
+                block += 1
+            if block == self.n:
+                return True
+            first = 0  # a new block: any server may start here
+        self.nodes += 1
+        if self.nodes > self.node_limit:
+            raise _OutOfNodes
+        if not self._may_cover(block, first):
+            return False
+        for rank, k in enumerate(self._candidates(block, first)):
+            if rank > discrepancies:
+                self.cut = True
+                break
+            start = min(block, self.n - self.lengths[k])
+            self._add(k, start, +1)
+            if self._search(block, k + 1, discrepancies - rank):
+                return True
+            self._add(k, start, -1)
+        return False
+
+    def _candidates(self, block: int, first: int) -> list[int]:
+        """Unplaced servers that may start here, one per kind, best fit first: those
+        that close the gap alone, by throughput-blocks wasted (overshoot plus overlap
+        when clamped at the end); then the rest, by throughput-blocks contributed."""
+        gap, reach = self.target - self.load[block], self.n - block
+        seen, ranked = set(), []
+        for k in range(first, len(self.order)):
+            if self.starts[k] >= 0 or self.kind[k] in seen:
+                continue
+            seen.add(self.kind[k])
+            unit, length = self.units[k], self.lengths[k]
+            clamp = unit * max(0, length - reach)
+            if unit >= gap:
+                ranked.append(((0, (unit - gap) * min(length, reach) + clamp), k))
+            else:
+                ranked.append(((1, clamp - unit * min(length, reach)), k))
+        ranked.sort()
+        return [k for _, k in ranked]
+
+    def _may_cover(self, block: int, first: int) -> bool:
+        """Necessary conditions: enough throughput left for this block, and enough
+        throughput-blocks left for the total shortfall from here on."""
+        reach = self.n - block
+        free = [k for k, start in enumerate(self.starts) if start < 0]
+        here = sum(self.units[k] for k in free if k >= first)
+        area = sum(self.units[k] * min(self.lengths[k], reach) for k in free)
+        return here >= self.target - self.load[block] and area >= self.shortfall
+
+    def _add(self, k: int, start: int, sign: int) -> None:
+        load, target, unit = self.load, self.target, self.units[k]
+        for b in range(start, start + self.lengths[k]):
+            before = max(0, target - load[b])
+            load[b] += sign * unit
+            self.shortfall += max(0, target - load[b]) - before
+        self.starts[k] = start if sign > 0 else -1
+
+    def _starts(self) -> np.ndarray:
+        """Starts in input order; servers the sweep did not need take greedy spans."""
+        load = np.array(self.load)
+        for k, start in enumerate(self.starts):
+            if start < 0:
+                self.starts[k] = start = choose_best_start(load, self.lengths[k])
+                load[start : start + self.lengths[k]] += self.units[k]
+        starts = np.zeros(len(self.order), dtype=np.int64)
+        starts[self.order] = self.starts
+        return starts
+
+
+def _sweep_bisect(
+    num_blocks: int, lengths: np.ndarray, units: np.ndarray, best: np.ndarray, low: int, impossible: int, node_limit: int
+) -> tuple[np.ndarray, int, int]:
+    """Bisection on T between `low` (reached by `best`) and `impossible` with `_Sweep`
+    probes. Returns the best starts, their minimum, and the smallest T proven impossible."""
+    sweep = _Sweep(num_blocks, lengths, units)
+    high, left = impossible, node_limit  # `high` also drops on probes that ran out of nodes
+    while high - low > 1 and left > 0:
+        target = (low + high) // 2
+        found, proven, used = sweep.solve(target, min(left, max(node_limit // 4, 1)))
+        left -= used
+        if found is not None:
+            best, low = found, int(_load(num_blocks, found, lengths, units).min())
+        else:
+            high = target
+            impossible = target if proven else impossible
+    return best, low, impossible
 
 
 def _refine(num_blocks: int, starts: np.ndarray, lengths: np.ndarray, units: np.ndarray) -> np.ndarray:
@@ -283,152 +547,9 @@ def _refine(num_blocks: int, starts: np.ndarray, lengths: np.ndarray, units: np.
             load[starts[i] : starts[i] + length] -= units[i]
             options = np.arange(num_blocks - length + 1)
             inside = (blocks >= options[:, None]) & (blocks < options[:, None] + length)
-            rows = np.sort(load + units[i] * inside, axis=1)
-            best = _lex_extreme(rows)
+            best = _lex_extreme(np.sort(load + units[i] * inside, axis=1))
             if starts[i] not in best:
                 starts[i] = best[0]
                 improved = True
             load[starts[i] : starts[i] + length] += units[i]
     return starts
-
-
-def _lp_bound(num_blocks: int, lengths: np.ndarray, units: np.ndarray) -> float:
-    """Upper bound on the best minimum (in units): the linear relaxation where a server
-    may be split across starts. Identical servers share columns (fewer variables)."""
-    classes: dict[tuple[int, int], int] = {}
-    for key in zip(lengths.tolist(), units.tolist()):
-        classes[key] = classes.get(key, 0) + 1
-    keys = sorted(classes)
-    scale = float(units.max()) or 1.0  # solve with throughputs in [0, 1] for conditioning
-
-    rows, cols, vals, owner = [], [], [], []
-    for k, (length, unit) in enumerate(keys):
-        for start in range(num_blocks - length + 1):
-            rows += range(start, start + length)
-            cols += [len(owner)] * length
-            vals += [-unit / scale] * length
-            owner.append(k)
-    t_col = len(owner)  # the bottleneck T is the last variable: T - load(b) <= 0
-    rows += range(num_blocks)
-    cols += [t_col] * num_blocks
-    vals += [1.0] * num_blocks
-    cover = coo_array((vals, (rows, cols)), shape=(num_blocks, t_col + 1))
-    count = coo_array(([1.0] * t_col, (owner, range(t_col))), shape=(len(keys), t_col + 1))
-    objective = np.zeros(t_col + 1)
-    objective[t_col] = -1.0
-    result = linprog(
-        objective,
-        A_ub=cover,
-        b_ub=np.zeros(num_blocks),
-        A_eq=count,
-        b_eq=[classes[key] for key in keys],
-        method="highs",
-    )
-    return -result.fun * scale * (1 + 1e-9)
-
-
-class _OutOfNodes(Exception):
-    pass
-
-
-class _Sweep:
-    """Decision search: is there a placement where every block's load is >= target?
-
-    Exact by a shifting argument: in any feasible placement, a server whose first
-    block would stay >= target without it can move one block right without harm. So
-    some feasible placement has every server either *needed* at its first block or at
-    its rightmost start. The search sweeps left to right and, at the leftmost block
-    short of the target, branches on which unplaced server starts there (clamped to
-    its rightmost start); servers placed at one block are chosen in a fixed order,
-    and of identical servers only the first is tried. A node limit bounds the work.
-    """
-
-    def __init__(self, num_blocks: int, lengths: np.ndarray, units: np.ndarray):
-        # Fixed order: most capacity first, so the first solutions found are good ones.
-        self.order = sorted(range(len(units)), key=lambda i: (-int(units[i]) * int(lengths[i]), -int(units[i]), i))
-        self.n = num_blocks
-        self.lengths = [int(lengths[i]) for i in self.order]
-        self.units = [int(units[i]) for i in self.order]
-        kinds: dict[tuple[int, int], int] = {}
-        self.kind = [kinds.setdefault(key, len(kinds)) for key in zip(self.lengths, self.units)]
-
-    def solve(self, target: int, node_limit: int) -> tuple[np.ndarray | None, bool, int]:
-        """(starts or None, whether the answer is proven, nodes used)."""
-        self.target, self.node_limit, self.nodes = target, node_limit, 0
-        self.load = [0] * self.n
-        self.starts = [-1] * len(self.order)
-        self.shortfall = target * self.n  # sum over blocks of max(0, target - load)
-        try:
-            found = self._search(0, 0)
-        except _OutOfNodes:
-            return None, False, self.nodes
-        if not found:
-            return None, True, self.nodes
-        starts = np.zeros(len(self.order), dtype=np.int64)
-        starts[self.order] = self.starts
-        return starts, True, self.nodes
-
-    def _search(self, block: int, first: int) -> bool:
-        if self.load[block] >= self.target:
-            while block < self.n and self.load[block] >= self.target:
-                block += 1
-            if block == self.n:
-                return True
-            first = 0  # a new block: any server may start here
-        self.nodes += 1
-        if self.nodes > self.node_limit:
-            raise _OutOfNodes
-        if not self._may_cover(block, first):
-            return False
-        tried = set()
-        for k in range(first, len(self.order)):
-            if self.starts[k] >= 0 or self.kind[k] in tried:
-                continue
-            tried.add(self.kind[k])
-            start = min(block, self.n - self.lengths[k])
-            self._add(k, start, +1)
-            if self._search(block, k + 1):
-                return True
-            self._add(k, start, -1)
-        return False
-
-    def _may_cover(self, block: int, first: int) -> bool:
-        """Cheap necessary conditions: enough throughput left for this block, and
-        enough block-throughput area left for the total shortfall from here on."""
-        reach = self.n - block
-        free = [k for k, start in enumerate(self.starts) if start < 0]
-        here = sum(self.units[k] for k in free if k >= first)
-        area = sum(self.units[k] * min(self.lengths[k], reach) for k in free)
-        return here >= self.target - self.load[block] and area >= self.shortfall
-
-    def _add(self, k: int, start: int, sign: int) -> None:
-        load, target, unit = self.load, self.target, self.units[k]
-        for b in range(start, start + self.lengths[k]):
-            before = max(0, target - load[b])
-            load[b] += sign * unit
-            self.shortfall += max(0, target - load[b]) - before
-        self.starts[k] = start if sign > 0 else -1
-
-
-def _bisect(
-    num_blocks: int, lengths: np.ndarray, units: np.ndarray, best: np.ndarray, node_limit: int
-) -> tuple[np.ndarray, int]:
-    """Bisection on the bottleneck with `_Sweep` as the feasibility check, starting
-    between the incumbent's minimum and the linear bound. Returns the best starts
-    found and the smallest minimum (in units) known to be impossible."""
-    low = int(_load(num_blocks, best, lengths, units).min())
-    impossible = int(_lp_bound(num_blocks, lengths, units)) + 1
-    high = impossible  # also narrowed by searches that ran out of nodes
-    sweep = _Sweep(num_blocks, lengths, units)
-    left = node_limit
-    while high - low > 1 and left > 0:
-        target = (low + high) // 2
-        found, proven, used = sweep.solve(target, min(left, max(node_limit // 8, 1)))
-        left -= used
-        if found is not None:
-            best, low = found, int(_load(num_blocks, found, lengths, units).min())
-        else:
-            high = target
-            if proven:
-                impossible = target
-    return best, impossible

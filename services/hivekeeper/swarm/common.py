@@ -158,6 +158,8 @@ def setup_logging(role: str, index: int) -> logging.Logger:
     logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    # hivemind logs every matchmaking retry at INFO; keep its warnings and errors
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
     return logger
 
 
