@@ -37,8 +37,11 @@ __all__ = [
 
 DEFAULT_BALANCE_QUALITY = 0.75  # Petals' server default
 DEFAULT_ITERATIONS = 40_000  # annealing moves per plan
-DEFAULT_NODE_LIMIT = 20_000  # exact-search nodes per plan, all bisection probes together
+DEFAULT_NODE_LIMIT = 5_000  # exact-search nodes per plan, all probes together
 _TEMPERATURE = 0.03  # starting annealing temperature, per largest server throughput
+_PATIENCE = 0.05  # fraction of the annealing moves a target may resist before it is lowered
+_PRECISION = 1e-4  # annealing stops once its target is this close (relative) to the minimum reached
+_DISCREPANCIES = (0, 1, 2, 1 << 30)  # limited discrepancy passes of the exact search; the last is unlimited
 _UNIT_SCALE = 2**40  # integer units per the largest throughput: exact sums, 1e-12 resolution
 
 
@@ -156,15 +159,14 @@ def plan_blocks(
 
     1. Start from Petals' greedy join in the given order: the plan is never worse.
     2. Upper bound: the linear relaxation (a server's throughput may be split across
-       starts). No plan beats it; it also caps the targets tried below.
+       starts). No plan beats it; it also caps the targets annealing aims at.
     3. Annealing on the shortfall sum(max(0, T - load)) with moves that shift,
        relocate or swap spans. Zero shortfall proves T reachable; T then rises halfway
        to the bound, and falls halfway back when a target resists for a while.
-    4. Exact probes: bisection on T with a branch-and-bound feasibility search
-       (`_Sweep`). On small swarms every probe completes, so the plan is optimal and
-       `optimal` says so; on large ones the node limit stops it and `upper_bound`
-       is the best proven bound (the smallest target proven impossible, else the
-       linear one).
+    4. Exact probes: is T = best minimum + one unit feasible? A branch-and-bound
+       search (`_Sweep`) answers; a find raises the minimum and probes again. On
+       small swarms the search completes, proving the plan optimal (`optimal`); on
+       large ones the node limit stops it and `upper_bound` is the linear bound.
     5. Tie-break: each server in turn moves to the start that makes the sorted load
        vector lexicographically largest, only on strict improvement, so the minimum
        never drops and the loop ends.
@@ -181,12 +183,12 @@ def plan_blocks(
     best = np.array([span.start for span in greedy_join(num_blocks, servers)], dtype=np.int64)
     low = int(_load(num_blocks, best, lengths, units).min())
     impossible = int(_lp_bound(num_blocks, lengths, units)) + 1
-    best, low = _anneal(num_blocks, lengths, units, best, low, impossible, iterations)
-    best, low, impossible = _sweep_bisect(num_blocks, lengths, units, best, low, impossible, node_limit)
+    best, low, optimal = _sweep_ratchet(num_blocks, lengths, units, best, low, node_limit)
+    if not optimal:
+        best, low = _anneal(num_blocks, lengths, units, best, low, impossible, iterations)
     best = _refine(num_blocks, best, lengths, units)
 
     load = block_throughput(num_blocks, servers, best)
-    optimal = low >= impossible - 1
     bound = float(load.min()) if optimal else (impossible - 1) * float(weights.max()) / _UNIT_SCALE
     return BlockPlan(
         assignments=tuple(Span(s.name, int(b), int(b + n)) for s, b, n in zip(servers, best, lengths)),
@@ -357,12 +359,12 @@ def _anneal(
     (reached by `best`) and `high` (a bound). Returns the best starts and their minimum."""
     lengths_, units_ = lengths.tolist(), units.tolist()
     rnd = random.Random(0)
-    patience = max(iterations // 10, 1)
+    patience = max(int(iterations * _PATIENCE), 1)
     temperature = _TEMPERATURE * max(units_)
     state = _Shortfall(num_blocks, lengths_, units_, best.tolist(), (low + high) // 2)
     stalled = 0
     for step in range(iterations):
-        if high - low <= 1:
+        if high - low <= low * _PRECISION + 1:
             break
         cooling = temperature * (1 - step / iterations)
         change, undo = _random_move(state, num_blocks, rnd)
@@ -425,7 +427,7 @@ class _Sweep:
     def solve(self, target: int, node_limit: int) -> tuple[np.ndarray | None, bool, int]:
         """(starts or None, whether the answer is proven, nodes used)."""
         used = 0
-        for discrepancies in range(len(self.order) * len(self.order) + 1):
+        for discrepancies in _DISCREPANCIES:
             self._reset(target, node_limit - used)
             try:
                 found = self._search(0, 0, discrepancies)
@@ -489,18 +491,20 @@ class _Sweep:
     def _may_cover(self, block: int, first: int) -> bool:
         """Necessary conditions: enough throughput left for this block, and enough
         throughput-blocks left for the total shortfall from here on."""
-        reach = self.n - block
-        free = [k for k, start in enumerate(self.starts) if start < 0]
-        here = sum(self.units[k] for k in free if k >= first)
-        area = sum(self.units[k] * min(self.lengths[k], reach) for k in free)
+        reach, here, area = self.n - block, 0, 0
+        for k, (start, unit, length) in enumerate(zip(self.starts, self.units, self.lengths)):
+            if start < 0:
+                here += unit if k >= first else 0
+                area += unit * (length if length < reach else reach)
         return here >= self.target - self.load[block] and area >= self.shortfall
 
     def _add(self, k: int, start: int, sign: int) -> None:
-        load, target, unit = self.load, self.target, self.units[k]
+        load, target, unit, change = self.load, self.target, sign * self.units[k], 0
         for b in range(start, start + self.lengths[k]):
-            before = max(0, target - load[b])
-            load[b] += sign * unit
-            self.shortfall += max(0, target - load[b]) - before
+            before = load[b]
+            load[b] = after = before + unit
+            change += (target - after if after < target else 0) - (target - before if before < target else 0)
+        self.shortfall += change
         self.starts[k] = start if sign > 0 else -1
 
     def _starts(self) -> np.ndarray:
@@ -515,23 +519,21 @@ class _Sweep:
         return starts
 
 
-def _sweep_bisect(
-    num_blocks: int, lengths: np.ndarray, units: np.ndarray, best: np.ndarray, low: int, impossible: int, node_limit: int
-) -> tuple[np.ndarray, int, int]:
-    """Bisection on T between `low` (reached by `best`) and `impossible` with `_Sweep`
-    probes. Returns the best starts, their minimum, and the smallest T proven impossible."""
+def _sweep_ratchet(
+    num_blocks: int, lengths: np.ndarray, units: np.ndarray, best: np.ndarray, low: int, node_limit: int
+) -> tuple[np.ndarray, int, bool]:
+    """Exact probes at T = low + 1 (one unit above the best minimum so far): a find
+    raises `low` and probes again; a completed search proves `low` optimal. Returns
+    the best starts, their minimum, and whether that minimum is proven optimal."""
     sweep = _Sweep(num_blocks, lengths, units)
-    high, left = impossible, node_limit  # `high` also drops on probes that ran out of nodes
-    while high - low > 1 and left > 0:
-        target = (low + high) // 2
-        found, proven, used = sweep.solve(target, min(left, max(node_limit // 4, 1)))
+    left = node_limit
+    while left > 0:
+        found, proven, used = sweep.solve(low + 1, left)
         left -= used
-        if found is not None:
-            best, low = found, int(_load(num_blocks, found, lengths, units).min())
-        else:
-            high = target
-            impossible = target if proven else impossible
-    return best, low, impossible
+        if found is None:
+            return best, low, proven
+        best, low = found, int(_load(num_blocks, found, lengths, units).min())
+    return best, low, False
 
 
 def _refine(num_blocks: int, starts: np.ndarray, lengths: np.ndarray, units: np.ndarray) -> np.ndarray:

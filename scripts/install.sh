@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates .venv with hivekeeper and everything its tests need. Idempotent; safe to re-run.
+# torch is pinned (2.13.0, the CPU wheel); hivemind ships its p2pd binary in the wheel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+# hivemind and torch first, from wheels only: hivemind's sdist would try to download p2pd.
+.venv/bin/python -m pip install --quiet --only-binary=hivemind "torch==2.13.0" "hivemind==1.1.12" "numpy<2.4"
+.venv/bin/python -m pip install --quiet -e ".[test]"
+.venv/bin/python -c "import hivemind, torch; print(f'hivekeeper installed: torch {torch.__version__}, hivemind {hivemind.__version__}')"
