@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +46,29 @@ def write_manifest(directory: Path, changes: dict[str, Any] | None = None, base:
     return path
 
 
+def parent_pid(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("PPid:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 @pytest.fixture
 def no_leaked_p2pd():
-    """Fails the test if it leaves a p2pd behind (and kills the leftovers so later tests are clean)."""
+    """Fails the test if it leaves an orphaned p2pd behind: one whose hivemind process is gone.
+    (A p2pd whose parent still runs belongs to someone else on this machine.) Leftovers are
+    killed so later tests start clean."""
     before = p2pd_pids()
     yield
-    leaked = p2pd_pids() - before
+    deadline = time.monotonic() + 5.0
+    while True:
+        leaked = {pid for pid in p2pd_pids() - before if parent_pid(pid) in (1, None) or parent_pid(pid) == os.getpid()}
+        if not leaked or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     for pid in leaked:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -126,6 +126,9 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
     assert summary["wallSeconds"] > 0
     assert Path(summary["checkpoint"]).exists()
     assert not processes_of(run_dir)
+    status = subprocess.run([sys.executable, "-m", "hivekeeper", "status", str(run_dir), "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and json.loads(status.stdout)["state"] == "completed"
 
 
 @pytest.mark.swarm

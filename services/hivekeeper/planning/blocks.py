@@ -37,10 +37,12 @@ __all__ = [
 
 DEFAULT_BALANCE_QUALITY = 0.75  # Petals' server default
 DEFAULT_ITERATIONS = 40_000  # annealing moves per plan
-DEFAULT_NODE_LIMIT = 5_000  # exact-search nodes per plan, all probes together
+DEFAULT_NODE_LIMIT = 20_000  # exact-search nodes per plan, all probes together
 _TEMPERATURE = 0.03  # starting annealing temperature, per largest server throughput
 _PATIENCE = 0.05  # fraction of the annealing moves a target may resist before it is lowered
-_PRECISION = 1e-4  # annealing stops once its target is this close (relative) to the minimum reached
+_EXACT_MAX_SERVERS = 10  # beyond this the exact search rarely completes within the node limit
+_MIN_STEP = 1e-4  # smallest relative raise annealing aims for
+_SWAP, _RELOCATE = 0.3, 0.3  # annealing move mix; the rest shift a span by 1-2 blocks
 _DISCREPANCIES = (0, 1, 2, 1 << 30)  # limited discrepancy passes of the exact search; the last is unlimited
 _UNIT_SCALE = 2**40  # integer units per the largest throughput: exact sums, 1e-12 resolution
 
@@ -160,13 +162,14 @@ def plan_blocks(
     1. Start from Petals' greedy join in the given order: the plan is never worse.
     2. Upper bound: the linear relaxation (a server's throughput may be split across
        starts). No plan beats it; it also caps the targets annealing aims at.
-    3. Annealing on the shortfall sum(max(0, T - load)) with moves that shift,
-       relocate or swap spans. Zero shortfall proves T reachable; T then rises halfway
-       to the bound, and falls halfway back when a target resists for a while.
-    4. Exact probes: is T = best minimum + one unit feasible? A branch-and-bound
-       search (`_Sweep`) answers; a find raises the minimum and probes again. On
-       small swarms the search completes, proving the plan optimal (`optimal`); on
-       large ones the node limit stops it and `upper_bound` is the linear bound.
+    3. Exact probes: is T = best minimum + one unit feasible? A branch-and-bound
+       search (`_Sweep`) answers; a find raises the minimum and probes again, and a
+       completed search proves the plan optimal (`optimal`). On small swarms (up to
+       about 8 heterogeneous servers) it completes within the node limit.
+    4. Otherwise, simulated annealing on the shortfall sum(max(0, T - load)) with
+       moves that shift, relocate or swap spans. Zero shortfall shows T reachable; T
+       then rises halfway to the bound, and falls halfway back when it resists for a
+       while. `upper_bound` is then the linear bound, so the gap is certified.
     5. Tie-break: each server in turn moves to the start that makes the sorted load
        vector lexicographically largest, only on strict improvement, so the minimum
        never drops and the loop ends.
@@ -180,12 +183,9 @@ def plan_blocks(
     weights = np.array([server.throughput for server in servers], dtype=float)
     units = _to_units(weights)
 
-    best = np.array([span.start for span in greedy_join(num_blocks, servers)], dtype=np.int64)
-    low = int(_load(num_blocks, best, lengths, units).min())
+    greedy = np.array([span.start for span in greedy_join(num_blocks, servers)], dtype=np.int64)
     impossible = int(_lp_bound(num_blocks, lengths, units)) + 1
-    best, low, optimal = _sweep_ratchet(num_blocks, lengths, units, best, low, node_limit)
-    if not optimal:
-        best, low = _anneal(num_blocks, lengths, units, best, low, impossible, iterations)
+    best, optimal = _raise_bottleneck(num_blocks, lengths, units, greedy, impossible, iterations, node_limit)
     best = _refine(num_blocks, best, lengths, units)
 
     load = block_throughput(num_blocks, servers, best)
@@ -197,6 +197,28 @@ def plan_blocks(
         upper_bound=max(bound, float(load.min())),
         optimal=optimal,
     )
+
+
+def _raise_bottleneck(
+    num_blocks: int,
+    lengths: np.ndarray,
+    units: np.ndarray,
+    best: np.ndarray,
+    impossible: int,
+    iterations: int,
+    node_limit: int,
+) -> tuple[np.ndarray, bool]:
+    """Steps 3 and 4 of `plan_blocks`: the starts with the best minimum found, and
+    whether that minimum is proven optimal. `impossible` is one unit above the bound."""
+    low = int(_load(num_blocks, best, lengths, units).min())
+    if low >= impossible - 1:
+        return best, True
+    if len(lengths) <= _EXACT_MAX_SERVERS:
+        best, low, proven = _sweep_ratchet(num_blocks, lengths, units, best, low, node_limit)
+        if proven:
+            return best, True
+    best, low = _anneal(num_blocks, lengths, units, best, low, impossible, iterations)
+    return best, low >= impossible - 1
 
 
 def block_throughput(num_blocks: int, servers: Sequence[Server], starts: Sequence[int]) -> np.ndarray:
@@ -361,11 +383,9 @@ def _anneal(
     rnd = random.Random(0)
     patience = max(int(iterations * _PATIENCE), 1)
     temperature = _TEMPERATURE * max(units_)
-    state = _Shortfall(num_blocks, lengths_, units_, best.tolist(), (low + high) // 2)
+    state = _Shortfall(num_blocks, lengths_, units_, best.tolist(), _aim(low, high))
     stalled = 0
     for step in range(iterations):
-        if high - low <= low * _PRECISION + 1:
-            break
         cooling = temperature * (1 - step / iterations)
         change, undo = _random_move(state, num_blocks, rnd)
         if change > 0 and rnd.random() >= math.exp(-change / cooling):
@@ -374,18 +394,23 @@ def _anneal(
         stalled += 1
         if state.total == 0:
             best, low, stalled = np.array(state.starts), min(state.load), 0
-            state.retarget((low + high) // 2)
+            state.retarget(_aim(low, high))
         elif stalled > patience:  # T resists: aim lower, from the best plan
             high, stalled = state.target, 0
-            state = _Shortfall(num_blocks, lengths_, units_, best.tolist(), (low + high) // 2)
+            state = _Shortfall(num_blocks, lengths_, units_, best.tolist(), _aim(low, high))
     return best, low
+
+
+def _aim(low: int, high: int) -> int:
+    """Halfway to `high`, but always at least a small step above `low`."""
+    return low + max((high - low) // 2, int(low * _MIN_STEP) + 1)
 
 
 def _random_move(state: _Shortfall, num_blocks: int, rnd: random.Random) -> tuple[int, list[tuple[int, int]]]:
     """Swap two servers' starts, relocate one anywhere, or shift one by 1-2 blocks.
     Returns the shortfall change and the (server, old start) pairs to undo it."""
     count, kind = len(state.starts), rnd.random()
-    if kind < 0.3 and count > 1:
+    if kind < _SWAP and count > 1:
         i, j = rnd.sample(range(count), 2)
         old_i, old_j = state.starts[i], state.starts[j]
         change = state.move(i, min(old_j, num_blocks - state.lengths[i]))
@@ -393,7 +418,7 @@ def _random_move(state: _Shortfall, num_blocks: int, rnd: random.Random) -> tupl
         return change, [(i, old_i), (j, old_j)]
     i = rnd.randrange(count)
     old, last = state.starts[i], num_blocks - state.lengths[i]
-    new = rnd.randint(0, last) if kind < 0.6 else min(max(old + rnd.choice((-2, -1, 1, 2)), 0), last)
+    new = rnd.randint(0, last) if kind < _SWAP + _RELOCATE else min(max(old + rnd.choice((-2, -1, 1, 2)), 0), last)
     return state.move(i, new), [(i, old)]
 
 

@@ -1,0 +1,94 @@
+"""One peer of bench_averaging_netns.py, run inside its network namespace.
+
+Starts a DHT peer and a PlannedAverager on the namespace's address, prints one JSON line
+{"ready": peer_id, "maddrs": [...]}, then serves JSON commands on stdin, one a line:
+
+    {"cmd": "round", "round": k, "scheduled_time": t, "shares": {peer_id: share} | null,
+     "bandwidth": Mbps | null}
+    {"cmd": "quit"}
+
+A round fills the vector with a_r * u + b_r (u a fixed random vector, a_r and b_r known
+functions of peer rank and round), so every peer can check the exact mean without the
+others' vectors, and answers one JSON line with the all-reduce's start, end, whether the
+plan's shares were used, the elements this peer aggregated and the largest error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def coefficients(rank: int, round_index: int) -> tuple[float, float]:
+    return 1.0 + 0.1 * ((7 * rank + 3 * round_index) % 11), 0.01 * ((5 * rank + round_index) % 13)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ip", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--peers", type=int, required=True, help="group size (every peer averages)")
+    parser.add_argument("--numel", type=int, required=True)
+    parser.add_argument("--part-bytes", type=int, required=True)
+    parser.add_argument("--initial-peers", default="[]", help="JSON list of multiaddrs")
+    parser.add_argument("--prefix", default="hkbench")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    import hivemind
+    from hivekeeper.swarm.planned_averaging import PlannedAverager
+
+    u = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
+    dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{args.ip}/tcp/0"],
+                       initial_peers=json.loads(args.initial_peers))
+    averager = PlannedAverager(
+        [torch.zeros(args.numel)], dht, prefix=args.prefix, start=True,
+        target_group_size=args.peers, min_group_size=args.peers, min_matchmaking_time=2.0,
+        request_timeout=1.0, part_size_bytes=args.part_bytes, allreduce_timeout=300.0,
+    )
+    reply({"ready": str(dht.peer_id), "maddrs": [str(m) for m in dht.get_visible_maddrs()]})
+    try:
+        for line in sys.stdin:
+            command = json.loads(line)
+            if command["cmd"] == "quit":
+                break
+            reply(run_round(averager, u, args, command))
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+def run_round(averager, u: torch.Tensor, args, command: dict) -> dict:
+    k = command["round"]
+    a, b = coefficients(args.rank, k)
+    with averager.get_tensors() as (tensor,):
+        torch.add(u * a, b, out=tensor)
+    if command.get("shares"):
+        averager.set_plan(command["shares"], expires_at=time.time() + 300)
+    else:
+        averager.clear_plan()
+    averager.bandwidth = command.get("bandwidth")  # read by hivemind's step when it gathers
+    try:
+        averager.step(scheduled_time=command["scheduled_time"], timeout=120)
+    except Exception as e:  # noqa: BLE001 - report, the orchestrator decides
+        return {"round": k, "error": repr(e)}
+    means = [coefficients(rank, k) for rank in range(args.peers)]
+    mean_a, mean_b = (sum(c[i] for c in means) / args.peers for i in (0, 1))
+    with averager.get_tensors() as (tensor,):
+        error = float((tensor - (u * mean_a + mean_b)).abs().max())
+    r = averager.last_round
+    return {"round": k, "planned": r.planned, "started": r.started, "finished": r.finished,
+            "elements": r.aggregated_elements, "groupSize": r.group_size, "maxError": error}
+
+
+def reply(message: dict) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

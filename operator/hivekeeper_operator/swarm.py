@@ -1,0 +1,493 @@
+"""The Swarm kind in Kubernetes, as pure functions: a parsed manifest in, child objects and a
+status out. Nothing here talks to the API; `reconcile.py` does, through these.
+
+Children of a Swarm NAME (all owned by it, all labelled hivekeeper.dev/swarm=NAME):
+  NAME-backbone-keys  Secret       backbone peer keys (generated once, so peer IDs are stable)
+  NAME-config         ConfigMap    the rendered manifest and every role's `hivekeeper run` args
+  NAME-backbone       StatefulSet  + headless Service: stable DNS NAME-backbone-I.NAME-backbone.NS.svc
+  NAME-trainer        StatefulSet  + headless Service (each trainer's ordinal is its --index)
+  NAME-auxiliary      StatefulSet  + headless Service
+  NAME-monitor        Job          + headless Service: the monitor's successful exit ends the run,
+                                   as with `hivekeeper up` (a Deployment would restart it forever)
+  NAME-backbone       PodDisruptionBudget (minAvailable: 1)
+  NAME                ServiceMonitor, when the Prometheus Operator's CRD is installed
+
+Every pod's arguments come from `hivekeeper.topology.swarm_roles` with a `KubernetesNetwork`:
+the same function the local runner calls. A pod template carries a config hash of what its
+role reads (the manifest, less the replica counts and resources that the template itself
+states, and its own arguments), so a spec change rolls exactly the roles it concerns, and
+scaling rolls nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from hivekeeper import API_GROUP, API_VERSION
+from hivekeeper.spec import Manifest
+from hivekeeper.spec.swarm import Resources, SwarmSpec
+from hivekeeper.topology import METRICS, P2P, Role, swarm_roles
+
+from hivekeeper_operator.conditions import Cond, render_conditions, seconds_in_state
+from hivekeeper_operator.kube import LABEL_MANAGED_BY, MANAGED_BY
+from hivekeeper_operator.network import (
+    CONFIG_DIR,
+    KEYS_DIR,
+    METRICS_PORT,
+    P2P_PORT,
+    RUN_DIR,
+    KubernetesNetwork,
+)
+
+KIND = "Swarm"
+API = f"{API_GROUP}/{API_VERSION}"
+COMPONENTS = ("backbone", "trainer", "auxiliary", "monitor")
+STATEFUL = ("backbone", "trainer", "auxiliary")
+STATUS_KEY = {"backbone": "backbone", "trainer": "trainers", "auxiliary": "auxiliary", "monitor": "monitor"}
+CONFIG_HASH = "hivekeeper.dev/config-hash"
+LABEL_SWARM = "hivekeeper.dev/swarm"
+LABEL_COMPONENT = "hivekeeper.dev/component"
+LABEL_METRICS = "hivekeeper.dev/metrics"
+RUN_AS = 10001
+MONITOR_BACKOFF_LIMIT = 10
+
+
+@dataclass(frozen=True)
+class WorkloadSettings:
+    """How the operator runs pods: not part of a Swarm's spec, set when installing the operator."""
+
+    image: str = "hivekeeper:latest"
+    image_pull_policy: str = "IfNotPresent"
+    image_pull_secrets: tuple[str, ...] = ()
+    cluster_domain: str = "cluster.local"
+    shm_size: str = "1Gi"
+    service_monitor_interval: str = "15s"
+    progress_deadline_seconds: float = 600.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Names and labels
+
+
+def child_name(swarm: str, component: str) -> str:
+    return f"{swarm}-{component}"
+
+
+def config_map_name(swarm: str) -> str:
+    return f"{swarm}-config"
+
+
+def keys_secret_name(swarm: str) -> str:
+    return f"{swarm}-backbone-keys"
+
+
+def selector_labels(swarm: str, component: str) -> dict[str, str]:
+    return {LABEL_SWARM: swarm, LABEL_COMPONENT: component}
+
+
+def labels(swarm: str, component: str | None = None) -> dict[str, str]:
+    out = {
+        "app.kubernetes.io/name": "hivekeeper",
+        "app.kubernetes.io/instance": swarm,
+        "app.kubernetes.io/part-of": "hivekeeper",
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_SWARM: swarm,
+    }
+    if component:
+        out["app.kubernetes.io/component"] = component
+        out[LABEL_COMPONENT] = component
+    return out
+
+
+def trainer_selector(swarm: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(swarm, "trainer").items())
+
+
+def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:
+    meta = owner["metadata"]
+    return {"apiVersion": owner.get("apiVersion", API), "kind": owner.get("kind", KIND), "name": meta["name"],
+            "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}
+
+
+def all_children(swarm: str) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of every child a Swarm can have, to delete the ones not wanted."""
+    out = [("v1", "Secret", keys_secret_name(swarm)), ("v1", "ConfigMap", config_map_name(swarm))]
+    for component in COMPONENTS:
+        out.append(("v1", "Service", child_name(swarm, component)))
+    out += [("apps/v1", "StatefulSet", child_name(swarm, c)) for c in STATEFUL]
+    out += [("batch/v1", "Job", child_name(swarm, "monitor")),
+            ("policy/v1", "PodDisruptionBudget", child_name(swarm, "backbone")),
+            ("monitoring.coreos.com/v1", "ServiceMonitor", swarm)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Roles and configuration
+
+
+def rendered_manifest(manifest: Manifest) -> dict[str, Any]:
+    """The manifest every pod reads: defaults filled in, Kubernetes metadata left out."""
+    return {
+        "apiVersion": manifest.api_version,
+        "kind": manifest.kind,
+        "metadata": {"name": manifest.metadata.name, "namespace": manifest.metadata.namespace},
+        "spec": manifest.spec.model_dump(by_alias=True, mode="json", exclude_none=True),
+    }
+
+
+def render_roles(manifest: Manifest, peer_ids: list[str], settings: WorkloadSettings) -> list[Role]:
+    network = KubernetesNetwork(manifest.metadata.name, manifest.metadata.namespace, settings.cluster_domain)
+    return swarm_roles(manifest, network, peer_ids, f"{CONFIG_DIR}/manifest.json", RUN_DIR)
+
+
+def config_hashes(manifest: Manifest, roles: list[Role]) -> dict[str, str]:
+    """Per component: a hash of what its pods read at start. Replica counts and resources are
+    left out (the pod template states those itself), so scaling rolls nothing."""
+    spec = rendered_manifest(manifest)["spec"]
+    for section in ("trainers", "auxiliary"):
+        spec.get(section, {}).pop("replicas", None)
+        spec.get(section, {}).pop("resources", None)
+    out = {}
+    for component in COMPONENTS:
+        first = next((r for r in roles if r.component == component), None)
+        payload = {"spec": spec, "args": list(first.args) if first else None}
+        out[component] = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    return out
+
+
+def desired_replicas(spec: SwarmSpec, completed: bool) -> dict[str, int]:
+    if completed:  # as `hivekeeper up` does: the run is over, stop the peers (GPUs go free)
+        return {"backbone": 0, "trainer": 0, "auxiliary": 0, "monitor": 0}
+    return {"backbone": spec.backbone.replicas, "trainer": spec.trainers.replicas,
+            "auxiliary": spec.auxiliary.replicas, "monitor": 1 if spec.monitor.enabled else 0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Children
+
+
+@dataclass
+class SwarmPlan:
+    """What one reconcile wants to exist for a Swarm."""
+
+    children: list[dict[str, Any]]
+    hashes: dict[str, str]
+    replicas: dict[str, int]
+    initial_peers: list[str]
+    roles: list[Role] = field(default_factory=list)
+
+
+def plan_swarm(owner: dict[str, Any], manifest: Manifest, peer_ids: list[str], keys_data: dict[str, str],
+               settings: WorkloadSettings, *, completed: bool = False,
+               service_monitor: bool = False) -> SwarmPlan:
+    spec: SwarmSpec = manifest.spec
+    name, namespace = manifest.metadata.name, manifest.metadata.namespace
+    roles = render_roles(manifest, peer_ids, settings)
+    hashes = config_hashes(manifest, roles)
+    replicas = desired_replicas(spec, completed)
+    owner_ref = owner_reference(owner)
+
+    def meta(obj_name: str, component: str | None = None, extra_labels: dict[str, str] | None = None) -> dict:
+        return {"name": obj_name, "namespace": namespace, "labels": {**labels(name, component), **(extra_labels or {})},
+                "ownerReferences": [owner_ref]}
+
+    children: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "Secret", "metadata": meta(keys_secret_name(name), "backbone"),
+         "type": "Opaque", "data": dict(sorted(keys_data.items()))},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(config_map_name(name)),
+         "data": {
+             "manifest.json": json.dumps(rendered_manifest(manifest), indent=2, sort_keys=True),
+             "roles.json": json.dumps({r.name: {"component": r.component, "args": list(r.args)} for r in roles},
+                                      indent=2, sort_keys=True),
+         }},
+    ]
+    components = [c for c in COMPONENTS if c != "monitor" or spec.monitor.enabled]
+    for component in components:
+        children.append(_service(meta(child_name(name, component), component, {LABEL_METRICS: "true"}),
+                                 name, component))
+    resources = {"backbone": _role_resources(roles, "backbone", Resources(cpu="250m", memory="512Mi")),
+                 "trainer": spec.trainers.resources, "auxiliary": spec.auxiliary.resources,
+                 "monitor": _role_resources(roles, "monitor", Resources(cpu="500m", memory="1Gi"))}
+    grace = int(spec.averaging.timeout_seconds + spec.averaging.matchmaking_seconds + 30)
+    for component in STATEFUL:
+        template = _pod_template(name, component, resources[component], hashes[component], settings, grace,
+                                 keys=component == "backbone")
+        children.append({
+            "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta(child_name(name, component), component),
+            "spec": {
+                "serviceName": child_name(name, component),
+                "replicas": replicas[component],
+                "podManagementPolicy": "Parallel",  # backbone peers bootstrap from each other
+                "selector": {"matchLabels": selector_labels(name, component)},
+                "updateStrategy": {"type": "RollingUpdate"},
+                "template": template,
+            },
+        })
+    if spec.monitor.enabled:
+        template = _pod_template(name, "monitor", resources["monitor"], hashes["monitor"], settings, grace,
+                                 restart_policy="OnFailure", index=0)
+        children.append({
+            "apiVersion": "batch/v1", "kind": "Job", "metadata": meta(child_name(name, "monitor"), "monitor"),
+            "spec": {"backoffLimit": MONITOR_BACKOFF_LIMIT, "template": template},
+        })
+    children.append({
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta(child_name(name, "backbone"), "backbone"),
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": selector_labels(name, "backbone")}},
+    })
+    if service_monitor:
+        children.append({
+            "apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": meta(name),
+            "spec": {
+                "selector": {"matchLabels": {LABEL_SWARM: name, LABEL_METRICS: "true"}},
+                "endpoints": [{"port": METRICS, "path": "/metrics", "interval": settings.service_monitor_interval}],
+            },
+        })
+    network = KubernetesNetwork(name, namespace, settings.cluster_domain)
+    initial_peers = [network.backbone_maddr(i, P2P_PORT, pid) for i, pid in enumerate(peer_ids)]
+    return SwarmPlan(children=children, hashes=hashes, replicas=replicas, initial_peers=initial_peers, roles=roles)
+
+
+def _role_resources(roles: list[Role], component: str, default: Resources) -> Resources:
+    return next((r.resources for r in roles if r.component == component), default)
+
+
+def _service(metadata: dict, swarm: str, component: str) -> dict:
+    ports = [{"name": METRICS, "port": METRICS_PORT, "targetPort": METRICS, "protocol": "TCP"}]
+    if component == "backbone":
+        ports.append({"name": P2P, "port": P2P_PORT, "targetPort": P2P, "protocol": "TCP"})
+    return {
+        "apiVersion": "v1", "kind": "Service", "metadata": metadata,
+        "spec": {
+            "clusterIP": "None",  # headless: per-pod DNS, and Prometheus scrapes every pod
+            # Backbone peers dial each other by name before they are ready.
+            "publishNotReadyAddresses": component == "backbone",
+            "selector": selector_labels(swarm, component),
+            "ports": ports,
+        },
+    }
+
+
+def _quantity_resources(resources: Resources) -> dict[str, Any]:
+    requests: dict[str, Any] = {"cpu": resources.cpu, "memory": resources.memory}
+    out: dict[str, Any] = {"requests": requests}
+    if resources.gpu:
+        requests["nvidia.com/gpu"] = resources.gpu
+        out["limits"] = {"nvidia.com/gpu": resources.gpu}
+    return out
+
+
+def _pod_template(swarm: str, component: str, resources: Resources, config_hash: str, settings: WorkloadSettings,
+                  grace: int, *, keys: bool = False, restart_policy: str = "Always",
+                  index: int | None = None) -> dict[str, Any]:
+    args = ["--component", component]
+    if index is not None:
+        args += ["--index", str(index)]
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "run", "mountPath": RUN_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_map_name(swarm)}},
+        {"name": "run", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}},
+    ]
+    if keys:
+        mounts.append({"name": "keys", "mountPath": KEYS_DIR, "readOnly": True})
+        volumes.append({"name": "keys", "secret": {"secretName": keys_secret_name(swarm), "defaultMode": 0o440}})
+
+    def probe(path: str, period: int, failures: int) -> dict[str, Any]:
+        return {"httpGet": {"path": path, "port": METRICS}, "periodSeconds": period, "failureThreshold": failures,
+                "timeoutSeconds": 5}
+
+    container = {
+        "name": component,
+        "image": settings.image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["python", "-m", "hivekeeper_operator.launch"],
+        "args": args,
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+        ],
+        "ports": [{"name": P2P, "containerPort": P2P_PORT, "protocol": "TCP"},
+                  {"name": METRICS, "containerPort": METRICS_PORT, "protocol": "TCP"}],
+        "resources": _quantity_resources(resources),
+        "startupProbe": probe("/healthz", 5, 120),  # importing torch and building a model takes a while
+        "livenessProbe": probe("/healthz", 10, 6),
+        "readinessProbe": probe("/readyz", 5, 3),
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    spec: dict[str, Any] = {
+        "restartPolicy": restart_policy,
+        "automountServiceAccountToken": False,  # peers never talk to the Kubernetes API
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": grace,  # finish or abandon the averaging round
+        "securityContext": {"runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS, "runAsNonRoot": True,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if settings.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": s} for s in settings.image_pull_secrets]
+    return {
+        "metadata": {"labels": {**labels(swarm, component), **selector_labels(swarm, component)},
+                     "annotations": {CONFIG_HASH: config_hash}},
+        "spec": spec,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Status
+
+
+def job_finished(job: dict[str, Any] | None) -> str | None:
+    """'Complete' or 'Failed' when a Job has that condition, else None."""
+    for cond in ((job or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") in ("Complete", "Failed") and cond.get("status") == "True":
+            return cond["type"]
+    return None
+
+
+def job_config_hash(job: dict[str, Any] | None) -> str | None:
+    return (((job or {}).get("spec") or {}).get("template", {}).get("metadata", {}).get("annotations") or {}).get(CONFIG_HASH)
+
+
+def run_completed(job: dict[str, Any] | None, monitor_hash: str) -> bool:
+    """The monitor of the current configuration finished the run (a Job of an older
+    configuration is replaced instead)."""
+    return job_finished(job) == "Complete" and job_config_hash(job) == monitor_hash
+
+
+def role_status(component: str, workload: dict[str, Any] | None, desired: int) -> dict[str, int]:
+    status = (workload or {}).get("status") or {}
+    if component == "monitor":
+        if job_finished(workload) == "Complete":
+            return {"desired": desired, "replicas": 0, "ready": 0}
+        return {"desired": desired, "replicas": int(status.get("active") or 0), "ready": int(status.get("ready") or 0)}
+    return {"desired": desired, "replicas": int(status.get("replicas") or 0), "ready": int(status.get("readyReplicas") or 0)}
+
+
+def rolling_out(workload: dict[str, Any] | None, desired: int) -> bool:
+    """A StatefulSet whose controller has not caught up with its spec or its template yet."""
+    if workload is None:
+        return desired > 0
+    meta, status = workload.get("metadata") or {}, workload.get("status") or {}
+    if int(status.get("observedGeneration") or 0) < int(meta.get("generation") or 1):
+        return True
+    return int(status.get("updatedReplicas") or 0) < desired
+
+
+@dataclass
+class Observed:
+    """What one reconcile saw of a Swarm's children and its monitor."""
+
+    workloads: dict[str, dict[str, Any] | None]  # component -> StatefulSet (or the monitor's Job)
+    monitor: dict[str, Any] | None = None  # the monitor's /status JSON, if it answered
+    error: str | None = None  # an error applying children (e.g. a name conflict)
+    error_reason: str = "ReconcileError"
+
+
+def swarm_status(*, generation: int | None, previous: dict[str, Any] | None, now: str,
+                 plan: SwarmPlan | None, observed: Observed | None, completed: bool = False,
+                 invalid: str | None = None, settings: WorkloadSettings = WorkloadSettings(),
+                 swarm: str = "") -> dict[str, Any]:
+    """The whole .status of a Swarm. With `invalid` (the spec failed validation) only the
+    conditions and phase change: children are left as they were."""
+    previous = previous or {}
+    status: dict[str, Any] = {"observedGeneration": generation}
+    if invalid is not None:
+        status["phase"] = "Invalid"
+        status["conditions"] = render_conditions([
+            Cond("Ready", False, "InvalidSpec", invalid),
+            Cond("Progressing", False, "InvalidSpec", "fix the spec; nothing was changed"),
+            Cond("Degraded", True, "InvalidSpec", invalid),
+        ], previous.get("conditions"), generation, now)
+        return status
+    assert plan is not None and observed is not None
+
+    roles = {c: role_status(c, observed.workloads.get(c), plan.replicas[c]) for c in COMPONENTS}
+    for component, value in roles.items():
+        status[STATUS_KEY[component]] = value
+    desired_total = sum(r["desired"] for r in roles.values())
+    ready_total = sum(min(r["ready"], r["desired"]) for r in roles.values())
+    status["readyPeers"] = f"{ready_total}/{desired_total}"
+    status["selector"] = trainer_selector(swarm)
+    status["initialPeers"] = plan.initial_peers
+
+    monitor_failed = job_finished(observed.workloads.get("monitor")) == "Failed"
+    not_ready = [f"{STATUS_KEY[c]} {r['ready']}/{r['desired']}" for c, r in roles.items() if r["ready"] < r["desired"]]
+    rolling = [STATUS_KEY[c] for c in STATEFUL if rolling_out(observed.workloads.get(c), plan.replicas[c])]
+
+    if completed:
+        phase = "Succeeded"
+        ready = Cond("Ready", False, "Completed", "the monitor finished the run; peers were stopped")
+        progressing = Cond("Progressing", False, "Completed", "")
+    elif monitor_failed:
+        phase = "Failed"
+        ready = Cond("Ready", False, "MonitorFailed", f"the monitor Job failed {MONITOR_BACKOFF_LIMIT} times")
+        progressing = Cond("Progressing", False, "MonitorFailed", "")
+    else:
+        running = roles["backbone"]["ready"] >= 1 and (roles["trainer"]["ready"] >= 1 or roles["trainer"]["desired"] == 0)
+        phase = "Running" if running else "Pending"
+        if not_ready:
+            ready = Cond("Ready", False, "PeersNotReady", "not ready: " + ", ".join(not_ready))
+        else:
+            ready = Cond("Ready", True, "AllPeersReady", f"{ready_total}/{desired_total} pods ready")
+        if rolling:
+            progressing = Cond("Progressing", True, "RollingOut", "updating: " + ", ".join(rolling))
+        elif not_ready:
+            progressing = Cond("Progressing", True, "WaitingForPeers", "starting: " + ", ".join(not_ready))
+        else:
+            progressing = Cond("Progressing", False, "Stable", "every role runs its current configuration")
+
+    if observed.error:
+        degraded = Cond("Degraded", True, observed.error_reason, observed.error)
+    elif monitor_failed:
+        degraded = Cond("Degraded", True, "MonitorFailed", ready.message)
+    elif progressing.status and seconds_in_state(previous, "Progressing", "True", now) > settings.progress_deadline_seconds:
+        degraded = Cond("Degraded", True, "ProgressDeadlineExceeded",
+                        f"no steady state after {int(settings.progress_deadline_seconds)}s: {progressing.message}")
+    else:
+        degraded = Cond("Degraded", False, "AsExpected", "")
+    status["phase"] = phase
+    status["conditions"] = render_conditions([ready, progressing, degraded], previous.get("conditions"),
+                                             generation, now)
+
+    status.update(_monitor_figures(observed.monitor, previous, now))
+    return status
+
+
+def _monitor_figures(reading: dict[str, Any] | None, previous: dict[str, Any], now: str) -> dict[str, Any]:
+    """Live figures from the monitor's /status; the last reading stays while it does not answer."""
+    keys = ("globalStep", "samplesPerSecond", "loss", "evalMetrics", "peersAlive")
+    if not reading:
+        return {k: previous[k] for k in keys + ("lastMonitorUpdate",) if k in previous}
+    figures: dict[str, Any] = {}
+    if isinstance(reading.get("globalStep"), int):
+        figures["globalStep"] = max(0, reading["globalStep"])
+    if isinstance(reading.get("samplesPerSecond"), (int, float)):
+        figures["samplesPerSecond"] = round(max(0.0, float(reading["samplesPerSecond"])), 1)
+    if isinstance(reading.get("loss"), (int, float)):
+        figures["loss"] = round(float(reading["loss"]), 6)
+    if isinstance(reading.get("evalMetrics"), dict):
+        figures["evalMetrics"] = {k: float(v) for k, v in reading["evalMetrics"].items() if isinstance(v, (int, float))}
+    if isinstance(reading.get("peersAlive"), dict):
+        figures["peersAlive"] = {k: int(v) for k, v in reading["peersAlive"].items() if isinstance(v, int)}
+    changed = any(previous.get(k) != v for k, v in figures.items())
+    figures["lastMonitorUpdate"] = now if changed or "lastMonitorUpdate" not in previous else previous["lastMonitorUpdate"]
+    return figures

@@ -1,0 +1,283 @@
+"""A Kubernetes API for tests: kmock's `KubernetesEmulator` with the small shim the operator
+needs (DESIGN.md, "Known facts about the Kubernetes test setup here"), served on 127.0.0.1 from
+a thread of its own, with a kubeconfig that both kopf and the official client read.
+
+The shim does what a kube-apiserver does and the emulator does not:
+- on create: fill metadata.namespace, uid, resourceVersion, generation, creationTimestamp;
+- on every write: bump resourceVersion (kopf JSON-patches with a `test` on it);
+- bump metadata.generation when a write changes `spec`;
+- keep a `/status` write off everything but `status`, and a main-resource write off `status`
+  for kinds that have the status subresource;
+- garbage-collect objects whose owner (by ownerReferences uid) is gone, as the real
+  garbage collector does for `propagationPolicy: Background`.
+It validates nothing against CRD schemas: tests check that with `hivekeeper.spec.crd`.
+
+kmock and attrs are test dependencies: importing this module needs the `operator-test` extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import attrs
+import jsonpointer
+import kmock
+import yaml
+from kmock._internal import enums
+
+# Resources the operator reads or writes, with their discovery information.
+CORE_RESOURCES: dict[str, dict[str, Any]] = {
+    "v1/namespaces": dict(kind="Namespace", namespaced=False),
+    "v1/events": dict(kind="Event", namespaced=True),
+    "v1/configmaps": dict(kind="ConfigMap", namespaced=True),
+    "v1/secrets": dict(kind="Secret", namespaced=True),
+    "v1/services": dict(kind="Service", namespaced=True),
+    "v1/pods": dict(kind="Pod", namespaced=True),
+    "apps/v1/statefulsets": dict(kind="StatefulSet", namespaced=True, subresources={"status", "scale"}),
+    "apps/v1/deployments": dict(kind="Deployment", namespaced=True, subresources={"status", "scale"}),
+    "batch/v1/jobs": dict(kind="Job", namespaced=True, subresources={"status"}),
+    "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", namespaced=True, subresources={"status"}),
+}
+SERVICE_MONITORS = {"monitoring.coreos.com/v1/servicemonitors": dict(kind="ServiceMonitor", namespaced=True)}
+
+_ABSENT = object()
+VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@attrs.define(kw_only=True)
+class ShimmedEmulator(kmock.KubernetesEmulator):
+    """kmock's emulator with the apiserver behaviour listed in the module docstring."""
+
+    _versions: Any = attrs.field(factory=lambda: itertools.count(2), init=False)
+    _status_kinds: set = attrs.field(factory=set, init=False)
+
+    def declare(self, resources: dict[str, dict[str, Any]]) -> None:
+        for key, info in resources.items():
+            info = dict(info)
+            subresources = set(info.pop("subresources", set()))
+            self.resources[key] = kmock.ResourceInfo(verbs=VERBS, subresources=subresources, **info)
+            if "status" in subresources:
+                self._status_kinds.add(kmock.resource(key))
+
+    async def _handle(self, request):  # type: ignore[override]
+        resource = request.resource
+        if resource is not None and request.action == enums.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            if request.namespace and not meta.get("namespace"):
+                meta["namespace"] = request.namespace
+            meta["uid"] = str(uuid.uuid4())
+            meta["resourceVersion"] = str(next(self._versions))
+            meta["generation"] = 1
+            meta["creationTimestamp"] = _now()
+            request.data.pop("status", None) if self._has_status(resource) else None
+        elif resource is not None and request.action == enums.action.UPDATE and request.name is not None:
+            self._check_json_patch_tests(request)
+            self._shim_update(request)
+        response = await super()._handle(request)
+        if resource is not None and request.action == enums.action.DELETE and request.name is not None:
+            await self._collect_garbage()
+        return response
+
+    def _has_status(self, resource: Any) -> bool:
+        return any(resource == known for known in self._status_kinds)
+
+    def _check_json_patch_tests(self, request: Any) -> None:
+        """A failed `test` op is 422 Unprocessable Entity, as kopf expects (the emulator says 500)."""
+        key = (request.resource, request.namespace, request.name)
+        if not isinstance(request.data, list) or key not in self.objects or self.objects[key].deleted:
+            return
+        current = self.objects[key].raw
+        for op in request.data:
+            if op.get("op") != "test":
+                continue
+            try:
+                value = jsonpointer.resolve_pointer(current, op["path"])
+            except jsonpointer.JsonPointerException:
+                value = _ABSENT
+            if value != op.get("value"):
+                raise kmock.KubernetesError(status=422, reason="Invalid",
+                                            message=f"test failed at {op['path']}: {value!r} != {op.get('value')!r}")
+
+    def _shim_update(self, request: Any) -> None:
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            return  # the emulator answers 404
+        current = self.objects[key]
+        version = str(next(self._versions))
+        generation = int(current.get("metadata", {}).get("generation") or 1)
+        status_only = request.subresource == "status"
+        keep_status_off = not status_only and self._has_status(request.resource)
+        data = request.data
+        if isinstance(data, dict):
+            if status_only:
+                for k in [k for k in data if k != "status"]:
+                    del data[k]
+            elif keep_status_off:
+                data.pop("status", None)
+            meta = data.setdefault("metadata", {}) if not status_only else None
+            if "spec" in data and data["spec"] != current.get("spec"):
+                generation += 1
+            data.setdefault("metadata", meta or {})["resourceVersion"] = version
+            data["metadata"]["generation"] = generation
+        elif isinstance(data, list):
+            if status_only:
+                data[:] = [op for op in data if op.get("op") == "test" or str(op.get("path", "")).startswith("/status")]
+            elif keep_status_off:
+                data[:] = [op for op in data if not str(op.get("path", "")).startswith("/status")]
+            if any(str(op.get("path", "")).startswith("/spec") and op.get("op") != "test" for op in data):
+                generation += 1
+            data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
+            data.append({"op": "add", "path": "/metadata/generation", "value": generation})
+
+    async def _collect_garbage(self) -> None:
+        """Delete (recursively) every object whose owners are all gone."""
+        while True:
+            async with self._lock:
+                alive = {obj.get("metadata", {}).get("uid") for obj in self.objects.values() if not obj.deleted}
+                orphans = []
+                for (resource, namespace, name), obj in self.objects.items():
+                    if obj.deleted:
+                        continue
+                    owners = obj.get("metadata", {}).get("ownerReferences") or []
+                    if owners and not any(o.get("uid") in alive for o in owners):
+                        orphans.append((resource, namespace, name))
+                for key in orphans:
+                    obj = self.objects[key]
+                    raw = copy.deepcopy(obj.raw)
+                    obj.delete()
+                    await self._buses[key[0]].put({"type": "DELETED", "object": raw})
+            if not orphans:
+                return
+
+
+class EmulatedCluster:
+    """The shimmed emulator on 127.0.0.1 in a background thread, plus a kubeconfig for it.
+
+        with EmulatedCluster(tmp_path) as cluster:
+            os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
+            ...
+            cluster.object("apps/v1/statefulsets", "default", "digits-trainer")
+    """
+
+    def __init__(self, directory: Path, crds: list[dict[str, Any]] | None = None, service_monitors: bool = False):
+        self.directory = Path(directory)
+        self.kubeconfig = self.directory / "kubeconfig.yaml"
+        self._crds = crds or []
+        self._service_monitors = service_monitors
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._serve, name="kube-emulator", daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.emulator: ShimmedEmulator | None = None
+        self.url = ""
+        self._error: BaseException | None = None
+
+    def __enter__(self) -> "EmulatedCluster":
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("the Kubernetes emulator did not start")
+        if self._error:
+            raise self._error
+        self.kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
+            "users": [{"name": "test", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test",
+                                                          "namespace": "default"}}],
+            "current-context": "emulator",
+        }))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.loop and self._stop:
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def _serve(self) -> None:
+        async def main() -> None:
+            self.loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            async with ShimmedEmulator() as emulator, kmock.Server(emulator) as server:
+                emulator.declare(CORE_RESOURCES)
+                if self._service_monitors:
+                    emulator.declare(SERVICE_MONITORS)
+                for crd in self._crds:
+                    emulator.declare(crd_resources(crd))
+                self.emulator = emulator
+                self.url = str(server.url).rstrip("/")
+                self._ready.set()
+                await self._stop.wait()
+
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # surfaced by __enter__
+            self._error = e
+            self._ready.set()
+
+    def call(self, fn: Any) -> Any:
+        """Run `fn()` in the emulator's loop (its state is not thread-safe) and return the result."""
+        assert self.loop is not None
+
+        async def run() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+
+    def object(self, resource: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        """The stored object, or None if it does not exist (or was deleted)."""
+
+        def read() -> dict[str, Any] | None:
+            key = (kmock.resource(resource), namespace, name)
+            if key not in self.emulator.objects or self.emulator.objects[key].deleted:
+                return None
+            return copy.deepcopy(self.emulator.objects[key].raw)
+
+        return self.call(read)
+
+    def objects(self, resource: str, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Every live object of a resource (in a namespace, if given)."""
+
+        def read() -> list[dict[str, Any]]:
+            wanted = kmock.resource(resource)
+            return [copy.deepcopy(obj.raw) for (res, ns, _), obj in self.emulator.objects.items()
+                    if res == wanted and not obj.deleted and (namespace is None or ns == namespace)]
+
+        return self.call(read)
+
+    def set_status(self, resource: str, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """What a controller (the StatefulSet or Job controller) would write."""
+
+        def write() -> None:
+            obj = self.emulator.objects[kmock.resource(resource), namespace, name]
+            obj.patch({"status": status, "metadata": {"resourceVersion": str(next(self.emulator._versions))}})
+
+        self.call(write)
+
+
+def crd_resources(crd: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The discovery entry the emulator needs for a CustomResourceDefinition document."""
+    spec = crd["spec"]
+    out = {}
+    for version in spec["versions"]:
+        key = f"{spec['group']}/{version['name']}/{spec['names']['plural']}"
+        out[key] = dict(
+            kind=spec["names"]["kind"],
+            namespaced=spec["scope"] == "Namespaced",
+            singular=spec["names"].get("singular"),
+            shortnames=set(spec["names"].get("shortNames", [])),
+            categories=set(spec["names"].get("categories", [])),
+            subresources=set(version.get("subresources", {})),
+        )
+    return out

@@ -1,0 +1,195 @@
+"""Planned all-reduce: real hivemind averagers on loopback split the vector per the plan's
+shares, still compute the exact mean, and fall back to hivemind's split without a valid plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import p2pd_pids
+from hivekeeper.swarm.planned_averaging import (
+    PlannedAverager,
+    plan_digest,
+    planned,
+    planned_fractions,
+    shares_by_peer_id,
+)
+
+NODE, CLIENT, AUX = 0, 1, 2
+PART = 100  # elements per part: part_size_bytes = 400 with float32
+SHAPES = [(6000,), (40, 100)]  # 10,000 elements in two tensors
+TOTAL = 10_000
+
+
+# --- the rule, as a pure function ------------------------------------------------------------
+
+
+def test_shares_are_renormalized_over_members_that_may_aggregate():
+    entries = [["p", 0.5], ["p", 0.2], ["p", 0.3], ["p", 0.4]]
+    assert planned_fractions(entries, [NODE, NODE, AUX, CLIENT], TOTAL) == (5000, 2000, 3000, 0)
+    assert planned_fractions([["p", 1.0], ["p", 3.0]], [NODE, NODE], 8) == (2, 6)
+
+
+@pytest.mark.parametrize("entries, modes, why", [
+    ([["p", 0.5], None], [NODE, NODE], "a member holds no valid plan"),
+    ([["p", 0.5], ["q", 0.5]], [NODE, NODE], "members hold different plans"),
+    ([["p", 0.5], ["p", None]], [NODE, NODE], "the plan does not name a member"),
+    ([["p", 0.0], ["p", 1.0]], [NODE, CLIENT], "only a client-mode member would aggregate"),
+    ([], [], "no members"),
+])
+def test_hivemind_split_when_the_plan_does_not_apply(entries, modes, why):
+    assert planned_fractions(entries, modes, TOTAL) is None, why
+
+
+def test_tiny_parts_follow_hiveminds_min_vector_size():
+    assert planned_fractions([["p", 0.99], ["p", 0.01]], [NODE, NODE], 1000, min_vector_size=50) == (1000, 0)
+
+
+def test_digest_ignores_order_and_helpers_map_plan_names():
+    assert plan_digest({"a": 0.25, "b": 0.75}) == plan_digest({"b": 0.75, "a": 0.25}) != plan_digest({"a": 0.75})
+
+    class Role:
+        def __init__(self, name, share):
+            self.name, self.aggregation_share = name, share
+
+    class Plan:
+        peers = (Role("fast", 1.0), Role("slow", 0.0), Role("gone", 0.5))
+
+    assert shares_by_peer_id(Plan(), {"fast": "Qm1", "slow": "Qm2"}) == {"Qm1": 1.0, "Qm2": 0.0}
+
+
+def test_planned_sits_right_above_decentralized_averager():
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.optim.grad_averager import GradientAverager
+
+    mro = planned(GradientAverager).__mro__
+    assert mro.index(GradientAverager) < mro.index(PlannedAverager) == mro.index(DecentralizedAverager) - 1
+    assert planned(DecentralizedAverager) is PlannedAverager
+
+
+# --- real averagers --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    """Four averagers in one DHT: two full peers, an auxiliary one and one in client mode."""
+    import hivemind
+
+    before = p2pd_pids()
+    dhts, averagers = [], []
+    try:
+        first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        dhts.append(first)
+        peers = [str(maddr) for maddr in first.get_visible_maddrs()]
+        for client_mode in (False, False, True):
+            dhts.append(hivemind.DHT(start=True, initial_peers=peers, client_mode=client_mode,
+                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        for dht, auxiliary in zip(dhts, (False, False, True, False)):
+            averagers.append(PlannedAverager(
+                [torch.zeros(shape) for shape in SHAPES], dht, prefix="planned_test", start=True,
+                auxiliary=auxiliary, target_group_size=4, min_group_size=4, min_matchmaking_time=1.0,
+                request_timeout=0.5, part_size_bytes=4 * PART,
+            ))
+        yield averagers
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+    leaked = p2pd_pids() - before
+    assert not leaked, f"p2pd processes leaked: {sorted(leaked)}"
+
+
+def average_once(averagers, round_seed: int):
+    """One round with fresh random tensors; returns the inputs and each peer's tensors after."""
+    generator = torch.Generator().manual_seed(round_seed)
+    inputs = []
+    for averager in averagers:
+        values = [torch.randn(shape, generator=generator) for shape in SHAPES]
+        with averager.get_tensors() as tensors:
+            for tensor, value in zip(tensors, values):
+                tensor.copy_(value)
+        inputs.append(values)
+    controls = [averager.step(wait=False, timeout=60) for averager in averagers]
+    for control in controls:
+        control.result(timeout=90)
+    outputs = []
+    for averager in averagers:
+        with averager.get_tensors() as tensors:
+            outputs.append([tensor.clone() for tensor in tensors])
+    return inputs, outputs
+
+
+def assert_mean(inputs, outputs, receivers, senders):
+    for index in range(len(SHAPES)):
+        mean = torch.stack([inputs[k][index] for k in senders]).mean(0)
+        for k in receivers:
+            assert torch.allclose(outputs[k][index], mean, atol=1e-5), f"peer {k} tensor {index} is not the mean"
+
+
+def peer_ids(averagers):
+    return [str(averager.peer_id) for averager in averagers]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("shares, elements", [
+    ((0.5, 0.2, 0.3, 0.4), [5000, 2000, 3000, 0]),  # the client's share is dropped, the rest renormalized
+    ((0.6, 0.0, 0.4, 0.0), [6000, 0, 4000, 0]),  # a full peer that aggregates nothing still sends and receives
+])
+def test_plan_shares_split_the_vector_and_the_mean_stays_exact(swarm, shares, elements):
+    plan = dict(zip(peer_ids(swarm), shares))
+    for averager in swarm:
+        averager.set_plan(plan, expires_at=_now() + 600)
+    try:
+        inputs, outputs = average_once(swarm, round_seed=1)
+    finally:
+        for averager in swarm:
+            averager.clear_plan()
+    rounds = [averager.last_round for averager in swarm]
+    assert all(r.planned and r.group_size == 4 for r in rounds)
+    assert [r.aggregated_elements for r in rounds] == elements
+    # senders are the full peers and the client; the auxiliary aggregates but neither sends nor receives
+    assert_mean(inputs, outputs, receivers=[0, 1, 3], senders=[0, 1, 3])
+    assert all(torch.equal(after, before) for after, before in zip(outputs[2], inputs[2]))
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_without_a_plan_hivemind_splits_evenly(swarm):
+    inputs, outputs = average_once(swarm, round_seed=2)
+    rounds = [averager.last_round for averager in swarm]
+    assert not any(r.planned for r in rounds)
+    # hivemind, no bandwidth typed in: equal parts for the three peers that accept connections
+    assert all(abs(r.aggregated_elements - TOTAL / 3) <= PART for r in rounds[:3]) and rounds[3].aggregated_elements == 0
+    assert_mean(inputs, outputs, receivers=[0, 1, 2, 3], senders=[0, 1, 3])  # the auxiliary sends with weight 0
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["uncovered", "expired", "disagreeing"])
+def test_an_invalid_plan_falls_back_to_hivemind(swarm, case):
+    ids = peer_ids(swarm)
+    plan = dict(zip(ids, (0.7, 0.1, 0.2, 0.0)))
+    for k, averager in enumerate(swarm):
+        if case == "uncovered":
+            averager.set_plan({peer: share for peer, share in plan.items() if peer != ids[2]}, _now() + 600)
+        elif case == "expired":
+            averager.set_plan(plan, expires_at=_now() - 1)
+        else:  # one peer already holds the next plan
+            averager.set_plan(plan if k else {**plan, ids[0]: 0.6}, _now() + 600)
+    try:
+        inputs, outputs = average_once(swarm, round_seed=3)
+    finally:
+        for averager in swarm:
+            averager.clear_plan()
+    rounds = [averager.last_round for averager in swarm]
+    assert not any(r.planned for r in rounds), case
+    assert all(abs(r.aggregated_elements - TOTAL / 3) <= PART for r in rounds[:3])
+    assert_mean(inputs, outputs, receivers=[0, 1, 2, 3], senders=[0, 1, 3])
+
+
+def _now() -> float:
+    from hivemind.utils.timed_storage import get_dht_time
+
+    return get_dht_time()
