@@ -43,8 +43,15 @@ def main() -> None:
     from hivekeeper.swarm.planned_averaging import PlannedAverager
 
     u = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
-    dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{args.ip}/tcp/0"],
-                       initial_peers=json.loads(args.initial_peers))
+    for attempt in range(3):  # on a loaded machine p2pd now and then misses its bootstrap peer
+        try:
+            dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{args.ip}/tcp/0"],
+                               initial_peers=json.loads(args.initial_peers))
+            break
+        except hivemind.p2p.P2PDaemonError:
+            if attempt == 2:
+                raise
+            time.sleep(2)
     averager = PlannedAverager(
         [torch.zeros(args.numel)], dht, prefix=args.prefix, start=True,
         target_group_size=args.peers, min_group_size=args.peers, min_matchmaking_time=2.0,
@@ -53,6 +60,8 @@ def main() -> None:
     reply({"ready": str(dht.peer_id), "maddrs": [str(m) for m in dht.get_visible_maddrs()]})
     try:
         for line in sys.stdin:
+            if not line.strip():
+                continue
             command = json.loads(line)
             if command["cmd"] == "quit":
                 break

@@ -154,11 +154,14 @@ class Worker:
         self.process.stdin.flush()
 
     def receive(self, timeout: float) -> dict:
-        try:
-            return self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"worker {self.process.pid} sent nothing in {timeout:.0f} s "
-                               f"(exit code {self.process.poll()}; see {self.log.name})") from None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                return self.lines.get(timeout=1.0)
+            except queue.Empty:
+                if self.process.poll() is not None and self.lines.empty():
+                    raise RuntimeError(f"worker exited with code {self.process.returncode}; see {self.log.name}")
+        raise TimeoutError(f"worker {self.process.pid} sent nothing in {timeout:.0f} s; see {self.log.name}")
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -298,14 +301,17 @@ def run(args) -> dict:
 
 def print_table(result: dict) -> None:
     summary = result["summary"]
-    header = (f"{'arrangement':12s}{'predicted s':>12s}{'measured s':>12s}{'(min-max)':>14s}"
+    header = (f"{'arrangement':12s}{'shares fast/slow':>18s}{'predicted s':>13s}{'measured s':>12s}{'(min-max)':>14s}"
               f"{'meas/pred':>11s}{'plan speedup':>14s}")
     print()
     print(header)
     print("-" * len(header))
     for arrangement, row in summary.items():
         spread = f"{row['minSeconds']:.2f}-{row['maxSeconds']:.2f}"
-        print(f"{arrangement:12s}{row['predictedSeconds']:12.2f}{row['medianSeconds']:12.2f}{spread:>14s}"
+        fast = [f for name, f in row["fractions"].items() if name.startswith("fast")]
+        slow = [f for name, f in row["fractions"].items() if name.startswith("slow")]
+        shares = "/".join("-".join(sorted({f"{f:.2f}" for f in group})) for group in (fast, slow) if group)
+        print(f"{arrangement:12s}{shares:>18s}{row['predictedSeconds']:13.2f}{row['medianSeconds']:12.2f}{spread:>14s}"
               f"{row['measuredOverPredicted']:11.2f}{row['planSpeedup']:13.2f}x")
     print()
     print("plan speedup: arrangement's median round time over the plan's.")

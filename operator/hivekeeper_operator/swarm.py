@@ -195,8 +195,7 @@ def plan_swarm(owner: dict[str, Any], manifest: Manifest, peer_ids: list[str], k
                 "ownerReferences": [owner_ref]}
 
     children: list[dict[str, Any]] = [
-        {"apiVersion": "v1", "kind": "Secret", "metadata": meta(keys_secret_name(name), "backbone"),
-         "type": "Opaque", "data": dict(sorted(keys_data.items()))},
+        keys_secret(owner, name, namespace, keys_data),
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(config_map_name(name)),
          "data": {
              "manifest.json": json.dumps(rendered_manifest(manifest), indent=2, sort_keys=True),
@@ -248,6 +247,13 @@ def plan_swarm(owner: dict[str, Any], manifest: Manifest, peer_ids: list[str], k
     network = KubernetesNetwork(name, namespace, settings.cluster_domain)
     initial_peers = [network.backbone_maddr(i, P2P_PORT, pid) for i, pid in enumerate(peer_ids)]
     return SwarmPlan(children=children, hashes=hashes, replicas=replicas, initial_peers=initial_peers, roles=roles)
+
+
+def keys_secret(owner: dict[str, Any], swarm: str, namespace: str, keys_data: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": keys_secret_name(swarm), "namespace": namespace, "labels": labels(swarm, "backbone"),
+                         "ownerReferences": [owner_reference(owner)]},
+            "type": "Opaque", "data": dict(sorted(keys_data.items()))}
 
 
 def _role_resources(roles: list[Role], component: str, default: Resources) -> Resources:
@@ -404,8 +410,8 @@ class Observed:
 
 def swarm_status(*, generation: int | None, previous: dict[str, Any] | None, now: str,
                  plan: SwarmPlan | None, observed: Observed | None, completed: bool = False,
-                 invalid: str | None = None, settings: WorkloadSettings = WorkloadSettings(),
-                 swarm: str = "") -> dict[str, Any]:
+                 invalid: str | None = None, invalid_reason: str = "InvalidSpec",
+                 settings: WorkloadSettings = WorkloadSettings(), swarm: str = "") -> dict[str, Any]:
     """The whole .status of a Swarm. With `invalid` (the spec failed validation) only the
     conditions and phase change: children are left as they were."""
     previous = previous or {}
@@ -413,9 +419,9 @@ def swarm_status(*, generation: int | None, previous: dict[str, Any] | None, now
     if invalid is not None:
         status["phase"] = "Invalid"
         status["conditions"] = render_conditions([
-            Cond("Ready", False, "InvalidSpec", invalid),
-            Cond("Progressing", False, "InvalidSpec", "fix the spec; nothing was changed"),
-            Cond("Degraded", True, "InvalidSpec", invalid),
+            Cond("Ready", False, invalid_reason, invalid),
+            Cond("Progressing", False, invalid_reason, "nothing was changed"),
+            Cond("Degraded", True, invalid_reason, invalid),
         ], previous.get("conditions"), generation, now)
         return status
     assert plan is not None and observed is not None

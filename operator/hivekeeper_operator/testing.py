@@ -8,8 +8,9 @@ The shim does what a kube-apiserver does and the emulator does not:
 - bump metadata.generation when a write changes `spec`;
 - keep a `/status` write off everything but `status`, and a main-resource write off `status`
   for kinds that have the status subresource;
-- garbage-collect objects whose owner (by ownerReferences uid) is gone, as the real
-  garbage collector does for `propagationPolicy: Background`.
+- garbage-collect objects whose owners (by ownerReferences uid) are all gone, as the real
+  garbage collector does (`propagationPolicy: Background`), also for objects created late
+  for an owner already deleted.
 It validates nothing against CRD schemas: tests check that with `hivekeeper.spec.crd`.
 
 kmock and attrs are test dependencies: importing this module needs the `operator-test` extra.
@@ -85,7 +86,8 @@ class ShimmedEmulator(kmock.KubernetesEmulator):
             self._check_json_patch_tests(request)
             self._shim_update(request)
         response = await super()._handle(request)
-        if resource is not None and request.action == enums.action.DELETE and request.name is not None:
+        if resource is not None and request.action in (enums.action.DELETE, enums.action.CREATE, enums.action.UPDATE):
+            # The real garbage collector also removes objects created (late) for an owner that is gone.
             await self._collect_garbage()
         return response
 

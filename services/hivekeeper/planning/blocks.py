@@ -32,6 +32,7 @@ __all__ = [
     "choose_best_start",
     "greedy_join",
     "plan_blocks",
+    "rebalance",
     "should_move",
 ]
 
@@ -40,10 +41,11 @@ DEFAULT_ITERATIONS = 40_000  # annealing moves per plan
 DEFAULT_NODE_LIMIT = 20_000  # exact-search nodes per plan, all probes together
 _TEMPERATURE = 0.03  # starting annealing temperature, per largest server throughput
 _PATIENCE = 0.05  # fraction of the annealing moves a target may resist before it is lowered
-_EXACT_MAX_SERVERS = 10  # beyond this the exact search rarely completes within the node limit
+_EXACT_MAX_SERVERS = 8  # beyond this the exact search rarely completes within the node limit
 _MIN_STEP = 1e-4  # smallest relative raise annealing aims for
 _SWAP, _RELOCATE = 0.3, 0.3  # annealing move mix; the rest shift a span by 1-2 blocks
 _DISCREPANCIES = (0, 1, 2, 1 << 30)  # limited discrepancy passes of the exact search; the last is unlimited
+_LP_TOLERANCE = 1e-7  # relative; HiGHS solves to about this accuracy
 _UNIT_SCALE = 2**40  # integer units per the largest throughput: exact sums, 1e-12 resolution
 
 
@@ -143,6 +145,28 @@ def should_move(
     return initial / new < balance_quality
 
 
+def rebalance(
+    num_blocks: int, spans: Sequence[ServedSpan], balance_quality: float = DEFAULT_BALANCE_QUALITY
+) -> list[ServedSpan]:
+    """Petals' swarm over time: each server in turn checks `should_move` and, if told
+    to, rejoins at its greedy best start; until a round moves nobody (or a round cap)."""
+    spans = list(spans)
+    for _ in range(2 * len(spans) + 2):
+        moved = False
+        for k, span in enumerate(spans):
+            if should_move(num_blocks, spans, span.name, balance_quality):
+                others = np.zeros(num_blocks)
+                for other in spans[:k] + spans[k + 1 :]:
+                    others[other.start : other.end] += other.throughput
+                length = span.end - span.start
+                start = choose_best_start(others, length)
+                moved |= start != span.start
+                spans[k] = ServedSpan(span.name, start, start + length, span.throughput)
+        if not moved:
+            break
+    return spans
+
+
 # --- the global planner --------------------------------------------------------------
 
 
@@ -161,7 +185,8 @@ def plan_blocks(
 
     1. Start from Petals' greedy join in the given order: the plan is never worse.
     2. Upper bound: the linear relaxation (a server's throughput may be split across
-       starts). No plan beats it; it also caps the targets annealing aims at.
+       starts). No plan beats it; a plan that meets it (to solver accuracy, 1e-7) is
+       optimal. It also caps the targets annealing aims at.
     3. Exact probes: is T = best minimum + one unit feasible? A branch-and-bound
        search (`_Sweep`) answers; a find raises the minimum and probes again, and a
        completed search proves the plan optimal (`optimal`). On small swarms (up to
@@ -184,17 +209,17 @@ def plan_blocks(
     units = _to_units(weights)
 
     greedy = np.array([span.start for span in greedy_join(num_blocks, servers)], dtype=np.int64)
-    impossible = int(_lp_bound(num_blocks, lengths, units)) + 1
-    best, optimal = _raise_bottleneck(num_blocks, lengths, units, greedy, impossible, iterations, node_limit)
+    bound = _lp_bound(num_blocks, lengths, units) * (1 + _LP_TOLERANCE)
+    best, optimal = _raise_bottleneck(num_blocks, lengths, units, greedy, bound, iterations, node_limit)
     best = _refine(num_blocks, best, lengths, units)
 
     load = block_throughput(num_blocks, servers, best)
-    bound = float(load.min()) if optimal else (impossible - 1) * float(weights.max()) / _UNIT_SCALE
+    upper = float(load.min()) if optimal else bound * float(weights.max()) / _UNIT_SCALE
     return BlockPlan(
         assignments=tuple(Span(s.name, int(b), int(b + n)) for s, b, n in zip(servers, best, lengths)),
         block_throughput=tuple(float(x) for x in load),
         min_throughput=float(load.min()),
-        upper_bound=max(bound, float(load.min())),
+        upper_bound=max(upper, float(load.min())),
         optimal=optimal,
     )
 
@@ -204,21 +229,27 @@ def _raise_bottleneck(
     lengths: np.ndarray,
     units: np.ndarray,
     best: np.ndarray,
-    impossible: int,
+    bound: float,
     iterations: int,
     node_limit: int,
 ) -> tuple[np.ndarray, bool]:
     """Steps 3 and 4 of `plan_blocks`: the starts with the best minimum found, and
-    whether that minimum is proven optimal. `impossible` is one unit above the bound."""
+    whether that minimum is proven optimal (exact search, or it meets `bound`)."""
     low = int(_load(num_blocks, best, lengths, units).min())
-    if low >= impossible - 1:
+    if _meets(low, bound):
         return best, True
     if len(lengths) <= _EXACT_MAX_SERVERS:
         best, low, proven = _sweep_ratchet(num_blocks, lengths, units, best, low, node_limit)
         if proven:
             return best, True
-    best, low = _anneal(num_blocks, lengths, units, best, low, impossible, iterations)
-    return best, low >= impossible - 1
+    best, low = _anneal(num_blocks, lengths, units, best, low, int(bound) + 1, iterations)
+    return best, _meets(low, bound)
+
+
+def _meets(low: int, bound: float) -> bool:
+    """Whether `low` reaches the linear bound to solver accuracy (`bound` already
+    includes one tolerance above the solver's value)."""
+    return low >= bound * (1 - 2 * _LP_TOLERANCE)
 
 
 def block_throughput(num_blocks: int, servers: Sequence[Server], starts: Sequence[int]) -> np.ndarray:
@@ -253,11 +284,11 @@ def _to_units(weights: np.ndarray) -> np.ndarray:
 
 
 def _load(num_blocks: int, starts: np.ndarray, lengths: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    # Difference array: +w at start, -w at end; summed in server order.
-    diff = np.zeros(num_blocks + 1, dtype=weights.dtype)
-    np.add.at(diff, starts, weights)
-    np.add.at(diff, starts + lengths, -weights)
-    return np.cumsum(diff[:-1])
+    # Plain sums in server order (a difference array would leave float residue like -1e-16).
+    load = np.zeros(num_blocks, dtype=weights.dtype)
+    for start, length, weight in zip(starts.tolist(), lengths.tolist(), weights.tolist()):
+        load[start : start + length] += weight
+    return load
 
 
 def _lex_extreme(rows: np.ndarray) -> np.ndarray:
@@ -338,7 +369,7 @@ def _lp_bound(num_blocks: int, lengths: np.ndarray, units: np.ndarray) -> float:
         b_eq=np.array([mass[length] for length in sorted(mass)]) / scale,
         method="highs",
     )
-    return -result.fun * scale * (1 + 1e-9)  # the margin absorbs the solver's tolerance
+    return -result.fun * scale
 
 
 class _Shortfall:
@@ -357,10 +388,11 @@ class _Shortfall:
         """Move server i to start `new`; returns the change in total shortfall. Only
         the blocks the span leaves or enters are touched."""
         old, length, unit = self.starts[i], self.lengths[i], self.units[i]
+        old_end, new_end = old + length, new + length
         if new >= old:
-            change = self._add(old, min(old + length, new), -unit) + self._add(max(old + length, new), new + length, unit)
+            change = self._add(old, min(old_end, new), -unit) + self._add(max(old_end, new), new_end, unit)
         else:
-            change = self._add(max(new + length, old), old + length, -unit) + self._add(new, min(new + length, old), unit)
+            change = self._add(max(new_end, old), old_end, -unit) + self._add(new, min(new_end, old), unit)
         self.starts[i] = new
         self.total += change
         return change

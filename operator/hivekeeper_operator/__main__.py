@@ -1,0 +1,81 @@
+"""`hivekeeper-operator` / `python -m hivekeeper_operator`: run the operator.
+
+Every flag has an environment variable (what the Helm chart sets)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+
+def _env(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hivekeeper-operator", description="Reconcile hivekeeper resources into pods.")
+    parser.add_argument("--namespace", action="append", default=None, dest="namespaces", metavar="NS",
+                        help="watch only this namespace (repeatable; default: every namespace) "
+                             "[HIVEKEEPER_WATCH_NAMESPACES, comma-separated]")
+    parser.add_argument("--image", default=_env("HIVEKEEPER_IMAGE", "hivekeeper:latest"),
+                        help="image of the swarm pods [HIVEKEEPER_IMAGE]")
+    parser.add_argument("--image-pull-policy", default=_env("HIVEKEEPER_IMAGE_PULL_POLICY", "IfNotPresent"))
+    parser.add_argument("--image-pull-secret", action="append", default=None, dest="pull_secrets",
+                        help="[HIVEKEEPER_IMAGE_PULL_SECRETS, comma-separated]")
+    parser.add_argument("--cluster-domain", default=_env("HIVEKEEPER_CLUSTER_DOMAIN", "cluster.local"))
+    parser.add_argument("--resync-seconds", type=float, default=float(_env("HIVEKEEPER_RESYNC_SECONDS", "15")))
+    parser.add_argument("--metrics-port", type=int, default=int(_env("HIVEKEEPER_METRICS_PORT", "8080")),
+                        help="port for /metrics, /healthz, /readyz [HIVEKEEPER_METRICS_PORT]")
+    parser.add_argument("--service-monitors", choices=("auto", "off"), default=_env("HIVEKEEPER_SERVICE_MONITORS", "auto"),
+                        help="create a ServiceMonitor per swarm when the Prometheus Operator CRD exists")
+    parser.add_argument("--kubeconfig", default=None, help="default: in-cluster config, else $KUBECONFIG")
+    parser.add_argument("--log-level", default=_env("HIVEKEEPER_LOG_LEVEL", "INFO"))
+    return parser
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+                 "msg": record.getMessage()}
+        entry.update(getattr(record, "fields", None) or {})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler], force=True)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+    from hivekeeper_operator.reconcile import OperatorConfig
+    from hivekeeper_operator.runtime import Operator
+    from hivekeeper_operator.swarm import WorkloadSettings
+
+    namespaces = args.namespaces or [n.strip() for n in _env("HIVEKEEPER_WATCH_NAMESPACES").split(",") if n.strip()]
+    pull_secrets = args.pull_secrets or [s.strip() for s in _env("HIVEKEEPER_IMAGE_PULL_SECRETS").split(",") if s.strip()]
+    config = OperatorConfig(
+        settings=WorkloadSettings(image=args.image, image_pull_policy=args.image_pull_policy,
+                                  image_pull_secrets=tuple(pull_secrets), cluster_domain=args.cluster_domain),
+        namespaces=tuple(namespaces),
+        resync_seconds=args.resync_seconds,
+        metrics_port=args.metrics_port,
+        service_monitors=args.service_monitors,
+        kubeconfig=args.kubeconfig,
+    )
+    operator = Operator(config)
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: operator.stop_flag.set())
+    operator.run()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

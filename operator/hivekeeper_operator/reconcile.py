@@ -1,0 +1,203 @@
+"""Reconcilers: read a resource, ask the kind's pure planner what should exist, apply it,
+and write what was observed back as status. One reconciler per kind, in `controllers()`;
+the kopf handlers and the periodic resync both call `Reconciler.reconcile(namespace, name)`.
+
+BlockServer and ExpertPool plug in as further `Reconciler` subclasses (a planner module like
+`swarm.py`, then an entry in `CONTROLLER_CLASSES`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hivekeeper import API_GROUP, API_VERSION
+from hivekeeper.errors import UserError
+from hivekeeper.spec import parse_manifest
+from hivekeeper.spec.crd import KINDS
+
+from hivekeeper_operator import identity, swarm
+from hivekeeper_operator.conditions import now_rfc3339
+from hivekeeper_operator.kube import Applier, Kube, KubeError, NameConflict, register_resource
+from hivekeeper_operator.metrics import OperatorMetrics
+from hivekeeper_operator.readers import StatusReader, http_status_reader, monitor_url
+
+log = logging.getLogger("hivekeeper.operator")
+API = f"{API_GROUP}/{API_VERSION}"
+
+
+@dataclass
+class OperatorConfig:
+    settings: swarm.WorkloadSettings = field(default_factory=swarm.WorkloadSettings)
+    namespaces: tuple[str, ...] = ()  # empty: every namespace
+    resync_seconds: float = 15.0
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = 8080  # None: no HTTP endpoint (tests)
+    service_monitors: str = "auto"  # auto: when the CRD is served; off: never
+    status_reader: StatusReader = field(default_factory=http_status_reader)
+    key_generator: identity.KeyGenerator = identity.generate_key
+    kubeconfig: str | None = None
+    kinds: tuple[str, ...] = ("Swarm",)
+
+
+class Reconciler:
+    """What every kind shares: locking per object, metrics, status writes."""
+
+    kind: str = ""
+
+    def __init__(self, kube: Kube, config: OperatorConfig, metrics: OperatorMetrics):
+        self.kube = kube
+        self.config = config
+        self.metrics = metrics
+        self.info = KINDS[self.kind]
+        register_resource(API, self.kind, self.info.plural)
+        self.applier = Applier(kube, on_write=lambda child, action: metrics.writes.labels(self.kind, child, action).inc())
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    @property
+    def plural(self) -> str:
+        return self.info.plural
+
+    def _lock(self, namespace: str, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def list(self) -> list[dict[str, Any]]:
+        if not self.config.namespaces:
+            return self.kube.list(API, self.kind)
+        return [obj for ns in self.config.namespaces for obj in self.kube.list(API, self.kind, ns)]
+
+    def reconcile(self, namespace: str, name: str) -> str | None:
+        """Bring one resource's children and status up to date; returns its phase."""
+        started = time.perf_counter()
+        with self._lock(namespace, name):
+            try:
+                obj = self.kube.get(API, self.kind, namespace, name)
+                if obj is None or obj.get("metadata", {}).get("deletionTimestamp"):
+                    result = None  # gone or going: owner references take the children with it
+                else:
+                    result = self.reconcile_object(obj)
+            except Exception as e:
+                reason = type(e).__name__ if not isinstance(e, KubeError) else f"HTTP{e.status}"
+                self.metrics.errors.labels(self.kind, reason).inc()
+                self.metrics.reconciles.labels(self.kind, "error").inc()
+                raise
+            finally:
+                self.metrics.duration.labels(self.kind).observe(time.perf_counter() - started)
+        self.metrics.reconciles.labels(self.kind, "success").inc()
+        return result
+
+    def reconcile_object(self, obj: dict[str, Any]) -> str | None:
+        raise NotImplementedError
+
+    def write_status(self, obj: dict[str, Any], status: dict[str, Any]) -> bool:
+        """Merge-patch the status subresource with the top-level keys that changed (none: no write)."""
+        previous = obj.get("status") or {}
+        changes = {k: v for k, v in status.items() if previous.get(k) != v}
+        if not changes:
+            return False
+        meta = obj["metadata"]
+        self.kube.merge_patch(self.kube.path(API, self.kind, meta["namespace"], meta["name"], "status"),
+                              {"status": changes})
+        self.metrics.status_writes.labels(self.kind).inc()
+        return True
+
+
+class SwarmReconciler(Reconciler):
+    kind = "Swarm"
+
+    def reconcile_object(self, obj: dict[str, Any]) -> str | None:
+        meta = obj["metadata"]
+        name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
+        settings = self.config.settings
+        now = now_rfc3339()
+        document = {k: obj[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in obj}
+        try:
+            manifest = parse_manifest(document, source=f"{self.kind} {namespace}/{name}")
+        except UserError as e:
+            status = swarm.swarm_status(generation=generation, previous=obj.get("status"), now=now, plan=None,
+                                        observed=None, invalid=str(e), settings=settings, swarm=name)
+            self.write_status(obj, status)
+            log.warning("invalid spec", extra={"fields": {"swarm": f"{namespace}/{name}", "error": str(e)}})
+            return "Invalid"
+        spec = manifest.spec
+
+        # Peer keys first: everyone's arguments name the backbone's peer IDs.
+        secret = self.kube.get("v1", "Secret", namespace, swarm.keys_secret_name(name))
+        existing = (secret or {}).get("data") if _managed(secret) else None
+        keys_data, peer_ids = identity.ensure_keys(existing, spec.backbone.replicas, self.config.key_generator)
+        if secret is None or keys_data != existing:
+            # Store new keys before anything names them; if another writer (an operator instance
+            # that is shutting down) stored different ones first, theirs win.
+            try:
+                live = self.applier.apply(swarm.keys_secret(obj, name, namespace, keys_data)).live
+            except NameConflict as e:
+                live = None
+                error = str(e)
+            else:
+                error = None
+                keys_data, peer_ids = identity.ensure_keys(live.get("data"), spec.backbone.replicas,
+                                                           self.config.key_generator)
+            if error:
+                status = swarm.swarm_status(generation=generation, previous=obj.get("status"), now=now, plan=None,
+                                            observed=None, invalid=error, invalid_reason="NameConflict",
+                                            settings=settings, swarm=name)
+                self.write_status(obj, status)
+                return "Invalid"
+
+        service_monitor = self.config.service_monitors == "auto" and self.kube.serves(
+            "monitoring.coreos.com/v1", "servicemonitors")
+        job = self.kube.get("batch/v1", "Job", namespace, swarm.child_name(name, "monitor")) if spec.monitor.enabled else None
+        plan = swarm.plan_swarm(obj, manifest, peer_ids, keys_data, settings, service_monitor=service_monitor)
+        completed = spec.monitor.enabled and swarm.run_completed(job, plan.hashes["monitor"])
+        if completed:
+            plan = swarm.plan_swarm(obj, manifest, peer_ids, keys_data, settings, completed=True,
+                                    service_monitor=service_monitor)
+
+        observed = swarm.Observed(workloads={})
+        for child in plan.children:
+            try:
+                result = self.applier.apply(child)
+            except NameConflict as e:
+                observed.error, observed.error_reason = str(e), "NameConflict"
+                continue
+            component = child["metadata"]["labels"].get(swarm.LABEL_COMPONENT)
+            if child["kind"] in ("StatefulSet", "Job"):
+                observed.workloads[component] = result.live
+        wanted = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in plan.children}
+        for api_version, kind, child in swarm.all_children(name):
+            if (api_version, kind, child) in wanted:
+                continue
+            if kind == "ServiceMonitor" and not service_monitor:
+                continue
+            self.applier.delete_if_managed(api_version, kind, namespace, child)
+
+        monitor = observed.workloads.get("monitor")
+        if monitor is not None and int((monitor.get("status") or {}).get("active") or 0) > 0:
+            observed.monitor = self.config.status_reader(
+                namespace, name, monitor_url(name, namespace, settings.cluster_domain))
+            self.metrics.monitor_reads.labels("ok" if observed.monitor else "unavailable").inc()
+
+        status = swarm.swarm_status(generation=generation, previous=obj.get("status"), now=now, plan=plan,
+                                    observed=observed, completed=completed, settings=settings, swarm=name)
+        self.write_status(obj, status)
+        return status["phase"]
+
+
+def _managed(obj: dict[str, Any] | None) -> bool:
+    from hivekeeper_operator.kube import LABEL_MANAGED_BY, MANAGED_BY
+
+    return bool(obj) and (obj.get("metadata", {}).get("labels") or {}).get(LABEL_MANAGED_BY) == MANAGED_BY
+
+
+CONTROLLER_CLASSES: dict[str, Callable[..., Reconciler]] = {"Swarm": SwarmReconciler}
+
+
+def controllers(kube: Kube, config: OperatorConfig, metrics: OperatorMetrics) -> dict[str, Reconciler]:
+    unknown = [k for k in config.kinds if k not in CONTROLLER_CLASSES]
+    if unknown:
+        raise ValueError(f"no reconciler for kinds: {', '.join(unknown)}")
+    return {kind: CONTROLLER_CLASSES[kind](kube, config, metrics) for kind in config.kinds}

@@ -1,0 +1,204 @@
+"""The operator process: kopf watches the hivekeeper resources and reacts to every change at
+once; a resync loop reconciles every resource every few seconds (children drift, pods become
+ready, the monitor's figures move). Both call the same reconcilers. An HTTP endpoint serves
+/metrics, /healthz and /readyz.
+
+kopf's timers would add a finalizer to every resource (deleting one would then need a running
+operator); the resync loop needs none: children go with their owner through ownerReferences."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any
+
+import kopf
+
+from hivekeeper import API_GROUP, API_VERSION
+from hivekeeper.service import ServiceEndpoint
+
+from hivekeeper_operator.kube import Kube
+from hivekeeper_operator.metrics import OperatorMetrics
+from hivekeeper_operator.reconcile import OperatorConfig, Reconciler, controllers
+
+log = logging.getLogger("hivekeeper.operator")
+LIVENESS_SECONDS = 60.0
+
+
+class OperatorEndpoint(ServiceEndpoint):
+    """/healthz fails when the operator's event loop stops beating (stuck or dead)."""
+
+    beat = time.monotonic()
+
+    @property  # type: ignore[override]
+    def alive(self) -> bool:
+        return time.monotonic() - self.beat < LIVENESS_SECONDS
+
+    @alive.setter
+    def alive(self, value: bool) -> None:
+        pass
+
+
+class Operator:
+    def __init__(self, config: OperatorConfig, kube: Kube | None = None):
+        self.config = config
+        self.kube = kube or Kube.from_environment(config.kubeconfig)
+        self.metrics = OperatorMetrics()
+        self.controllers: dict[str, Reconciler] = controllers(self.kube, config, self.metrics)
+        self.registry = self._build_registry()
+        self.stop_flag = threading.Event()
+        self.ready_flag = threading.Event()
+        self.resynced = threading.Event()
+        self.endpoint: OperatorEndpoint | None = None
+        self.last_resync: float | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # -- kopf wiring -------------------------------------------------------------------------
+
+    def _build_registry(self) -> kopf.OperatorRegistry:
+        registry = kopf.OperatorRegistry()
+        configuration = self.kube.api_client.configuration
+
+        @kopf.on.login(registry=registry)
+        def login(**_: Any) -> kopf.ConnectionInfo:
+            token = configuration.get_api_key_with_prefix("authorization") or ""  # runs the refresh hook
+            scheme, _, token = token.partition(" ") if " " in token else ("Bearer", "", token)
+            return kopf.ConnectionInfo(
+                server=configuration.host,
+                ca_path=configuration.ssl_ca_cert,
+                insecure=not configuration.verify_ssl,
+                username=configuration.username or None,
+                password=configuration.password or None,
+                scheme=scheme if token else None,
+                token=token or None,
+                certificate_path=configuration.cert_file,
+                private_key_path=configuration.key_file,
+            )
+
+        for kind, controller in self.controllers.items():
+            self._register(registry, controller)
+        return registry
+
+    def _register(self, registry: kopf.OperatorRegistry, controller: Reconciler) -> None:
+        def handle(namespace: str, name: str, **_: Any) -> None:
+            try:
+                controller.reconcile(namespace, name)
+            except Exception as e:
+                raise kopf.TemporaryError(f"{controller.kind} {namespace}/{name}: {e}", delay=10) from e
+
+        resource = (API_GROUP, API_VERSION, controller.plural)
+        kind = controller.kind.lower()
+        kopf.on.resume(*resource, id=f"{kind}-resume", registry=registry)(handle)
+        kopf.on.create(*resource, id=f"{kind}-create", registry=registry)(handle)
+        kopf.on.update(*resource, id=f"{kind}-update", registry=registry)(handle)
+
+    def kopf_settings(self) -> kopf.OperatorSettings:
+        settings = kopf.OperatorSettings()
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=API_GROUP, key="last-handled-configuration")
+        settings.persistence.finalizer = f"{API_GROUP}/finalizer"  # used only if a handler ever needs one
+        settings.posting.level = logging.WARNING  # events for failures, not for every success
+        settings.execution.max_workers = 4
+        settings.networking.request_timeout = 30
+        settings.watching.server_timeout = 300
+        return settings
+
+    # -- the resync loop ---------------------------------------------------------------------
+
+    async def _resync_loop(self) -> None:
+        while not self.stop_flag.is_set():
+            await self.resync()
+            self.resynced.set()
+            if self.endpoint:
+                self.endpoint.ready.set()
+            await asyncio.sleep(self.config.resync_seconds)
+
+    async def resync(self) -> None:
+        for kind, controller in self.controllers.items():
+            try:
+                objects = await asyncio.to_thread(controller.list)
+            except Exception as e:  # the API is away: try again next round
+                log.warning("resync list failed", extra={"fields": {"kind": kind, "error": str(e)}})
+                controller.metrics.errors.labels(kind, "ListFailed").inc()
+                continue
+            phases: dict[str, int] = {}
+            for obj in objects:
+                meta = obj.get("metadata", {})
+                try:
+                    phase = await asyncio.to_thread(controller.reconcile, meta.get("namespace"), meta.get("name"))
+                except Exception as e:
+                    log.warning("reconcile failed", extra={"fields": {
+                        "kind": kind, "name": f"{meta.get('namespace')}/{meta.get('name')}", "error": str(e)}})
+                    phase = "Error"
+                if phase:
+                    phases[phase] = phases.get(phase, 0) + 1
+            self.metrics.resources.clear()
+            for phase, count in phases.items():
+                self.metrics.resources.labels(kind, phase).set(count)
+        self.last_resync = time.time()
+
+    async def _heartbeat(self) -> None:
+        while not self.stop_flag.is_set():
+            OperatorEndpoint.beat = time.monotonic()
+            await asyncio.sleep(5)
+
+    # -- running -----------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return {"kinds": list(self.controllers), "namespaces": list(self.config.namespaces) or "all",
+                "kopfReady": self.ready_flag.is_set(), "lastResync": self.last_resync}
+
+    async def main(self) -> None:
+        if self.config.metrics_port is not None:
+            self.endpoint = OperatorEndpoint(self.metrics.registry, self.config.metrics_host,
+                                             self.config.metrics_port, status=self.status).start()
+        tasks = [asyncio.create_task(self._heartbeat())]
+        try:
+            operator = asyncio.create_task(kopf.operator(
+                registry=self.registry,
+                settings=self.kopf_settings(),
+                clusterwide=not self.config.namespaces,
+                namespaces=list(self.config.namespaces),
+                standalone=True,  # one replica; no kopf peering CRDs needed
+                stop_flag=self.stop_flag,
+                ready_flag=self.ready_flag,
+            ))
+            while not self.ready_flag.is_set() and not operator.done():
+                await asyncio.sleep(0.05)
+            tasks.append(asyncio.create_task(self._resync_loop()))
+            await operator
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.endpoint:
+                self.endpoint.stop()
+
+    def run(self) -> None:
+        asyncio.run(self.main())
+
+    def start(self) -> "Operator":
+        """Run in a background thread (tests, embedding); `stop()` ends it."""
+
+        def target() -> None:
+            try:
+                self.run()
+            except BaseException as e:  # noqa: BLE001 (reported by stop())
+                self._error = e
+
+        self._thread = threading.Thread(target=target, name="hivekeeper-operator", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.stop_flag.set()
+        if self._thread:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError("the operator did not stop in time")
+        if self._error:
+            raise self._error
