@@ -94,7 +94,7 @@ class Supervisor:
                 child.exit_codes.append(code)
                 child.process = None
                 _kill_group(process.pid)  # leftovers (p2pd) of the dead child
-                if code == 0 and (child.role.completes_run or not child.role.restart):
+                if code == 0:  # a clean exit: the run is done, or the role was told to stop
                     child.finished = True
                     if child.role.completes_run:
                         completed.append(child)
