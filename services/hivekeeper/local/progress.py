@@ -5,7 +5,6 @@ terminal; one line every few seconds otherwise (CI logs, pipes)."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 import urllib.request
 from typing import Any, Optional

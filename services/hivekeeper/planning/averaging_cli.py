@@ -4,15 +4,14 @@ described in a YAML or JSON file, against all-reduce and a parameter server."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field
 from rich.console import Console
 from rich.table import Table
 
-from hivekeeper.errors import UserError, format_validation_error
+from hivekeeper.errors import UserError
+from hivekeeper.inputs import load_input
 from hivekeeper.planning.averaging_lp import (
     AveragingPlan,
     AveragingProblem,
@@ -46,18 +45,7 @@ class AveragingInput(SpecModel):
 
 
 def _load(path: str) -> AveragingInput:
-    try:
-        data = yaml.safe_load(Path(path).read_text())  # JSON is YAML too
-    except OSError as e:
-        raise UserError(f"{path}: cannot read: {e.strerror}") from e
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UserError(f"{path}: not valid YAML or JSON{where}") from e
-    try:
-        spec = AveragingInput.model_validate(data)
-    except ValidationError as e:
-        raise UserError(format_validation_error(e, source=path)) from e
+    spec = load_input(path, AveragingInput)
     _check_consistency(spec, path)
     return spec
 

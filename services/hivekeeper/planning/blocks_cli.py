@@ -4,15 +4,14 @@ blocks per server, maximizing the worst block's throughput, against Petals' gree
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field
 from rich.console import Console
 from rich.table import Table
 
-from hivekeeper.errors import UserError, format_validation_error
+from hivekeeper.errors import UserError
+from hivekeeper.inputs import load_input
 from hivekeeper.planning.blocks import BlockPlan, Server, block_throughput, greedy_join, plan_blocks
 from hivekeeper.spec.base import SpecModel
 
@@ -33,18 +32,7 @@ class BlocksInput(SpecModel):
 
 
 def _read(path: str) -> BlocksInput:
-    try:
-        data = yaml.safe_load(Path(path).read_text())  # JSON is YAML too
-    except OSError as e:
-        raise UserError(f"{path}: cannot read: {e.strerror}") from e
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UserError(f"{path}: not valid YAML or JSON{where}") from e
-    try:
-        spec = BlocksInput.model_validate(data)
-    except ValidationError as e:
-        raise UserError(format_validation_error(e, source=path)) from e
+    spec = load_input(path, BlocksInput)
     seen: set[str] = set()
     for k, server in enumerate(spec.servers):
         if server.name in seen:
