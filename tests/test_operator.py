@@ -87,13 +87,13 @@ def monitor():
 
 
 @pytest.fixture
-def start_operator(cluster, monitor):
+def start_operator(request, monitor):
     started: list[Operator] = []
 
     def start(target: EmulatedCluster | None = None, **overrides: Any) -> Operator:
         import kubernetes
 
-        target = target or cluster
+        target = target or request.getfixturevalue("cluster")
         kube = Kube(kubernetes.config.new_client_from_config(config_file=str(target.kubeconfig)))
         config = OperatorConfig(settings=WorkloadSettings(image="hivekeeper:test", progress_deadline_seconds=3600),
                                 resync_seconds=0.2, metrics_port=None, status_reader=monitor)
@@ -423,3 +423,29 @@ def test_operator_serves_metrics_and_probes(cluster, client, start_operator):
     assert "hivekeeper_operator_reconcile_duration_seconds_bucket" in body
     assert 'hivekeeper_operator_child_writes_total{action="create",child_kind="StatefulSet",kind="Swarm"} 3.0' in body
     assert json.loads(get("/status")[1])["kinds"] == ["Swarm"]
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_reconciles(cluster, client, start_operator, path):
+    document = yaml.safe_load(path.read_text())
+    if document["kind"] != "Swarm":
+        pytest.skip(f"{document['kind']} has no reconciler yet")
+    name = document["metadata"]["name"]
+    start_operator()
+    apply_swarm(client, document)
+    spec = document["spec"]
+
+    def made() -> dict | None:
+        now = children(cluster, name)
+        return now if ("PodDisruptionBudget", f"{name}-backbone") in now and swarm(cluster, name).get("status") else None
+
+    now = wait_for(made, what=f"the children of {path.name}")
+    uid = swarm(cluster, name)["metadata"]["uid"]
+    assert all(obj["metadata"]["ownerReferences"][0]["uid"] == uid for obj in now.values())
+    replicas = {c: now[("StatefulSet", f"{name}-{c}")]["spec"]["replicas"] for c in ("backbone", "trainer", "auxiliary")}
+    assert replicas == {"backbone": spec.get("backbone", {}).get("replicas", 1),
+                        "trainer": spec.get("trainers", {}).get("replicas", 2),
+                        "auxiliary": spec.get("auxiliary", {}).get("replicas", 0)}
+    roles = json.loads(now[("ConfigMap", f"{name}-config")]["data"]["roles.json"])
+    assert sum(r["component"] == "trainer" for r in roles.values()) == replicas["trainer"]
+    assert swarm(cluster, name)["status"]["phase"] == "Pending"

@@ -27,6 +27,11 @@ log = logging.getLogger("hivekeeper.operator")
 LIVENESS_SECONDS = 60.0
 
 
+def warm_imports() -> None:
+    import hivekeeper.tasks  # noqa: F401
+    import hivemind.p2p  # noqa: F401
+
+
 class OperatorEndpoint(ServiceEndpoint):
     """/healthz fails when the operator's event loop stops beating (stuck or dead)."""
 
@@ -105,6 +110,9 @@ class Operator:
         settings.execution.max_workers = 4
         settings.networking.request_timeout = 30
         settings.watching.server_timeout = 300
+        # The CRDs come with the chart before the operator starts: no need to watch
+        # CustomResourceDefinitions (a cluster-scoped permission a namespaced install lacks).
+        settings.scanning.disabled = True
         return settings
 
     # -- the resync loop ---------------------------------------------------------------------
@@ -157,6 +165,9 @@ class Operator:
             self.endpoint = OperatorEndpoint(self.metrics.registry, self.config.metrics_host,
                                              self.config.metrics_port, status=self.status).start()
         tasks = [asyncio.create_task(self._heartbeat())]
+        # Validating a spec checks its task's options (torch) and backbone keys are hivemind's:
+        # import both before the first reconcile, not inside it.
+        await asyncio.to_thread(warm_imports)
         try:
             operator = asyncio.create_task(kopf.operator(
                 registry=self.registry,

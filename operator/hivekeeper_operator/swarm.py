@@ -143,9 +143,14 @@ def render_roles(manifest: Manifest, peer_ids: list[str], settings: WorkloadSett
     return swarm_roles(manifest, network, peer_ids, f"{CONFIG_DIR}/manifest.json", RUN_DIR)
 
 
-def config_hashes(manifest: Manifest, roles: list[Role]) -> dict[str, str]:
+def config_hashes(manifest: Manifest, settings: WorkloadSettings, peer_ids: list[str]) -> dict[str, str]:
     """Per component: a hash of what its pods read at start. Replica counts and resources are
-    left out (the pod template states those itself), so scaling rolls nothing."""
+    left out (the pod template states those itself), so scaling rolls nothing, not even from
+    or to zero (the arguments hashed are those of index 0, whatever the count)."""
+    sample = manifest.model_copy(deep=True)
+    sample.spec.trainers.replicas = max(1, sample.spec.trainers.replicas)
+    sample.spec.auxiliary.replicas = max(1, sample.spec.auxiliary.replicas)
+    roles = render_roles(sample, peer_ids, settings)
     spec = rendered_manifest(manifest)["spec"]
     for section in ("trainers", "auxiliary"):
         spec.get(section, {}).pop("replicas", None)
@@ -186,7 +191,7 @@ def plan_swarm(owner: dict[str, Any], manifest: Manifest, peer_ids: list[str], k
     spec: SwarmSpec = manifest.spec
     name, namespace = manifest.metadata.name, manifest.metadata.namespace
     roles = render_roles(manifest, peer_ids, settings)
-    hashes = config_hashes(manifest, roles)
+    hashes = config_hashes(manifest, settings, peer_ids)
     replicas = desired_replicas(spec, completed)
     owner_ref = owner_reference(owner)
 

@@ -174,7 +174,7 @@ class EmulatedCluster:
 
     def __init__(self, directory: Path, crds: list[dict[str, Any]] | None = None, service_monitors: bool = False):
         self.directory = Path(directory)
-        self.kubeconfig = self.directory / "kubeconfig.yaml"
+        self.kubeconfig = self.directory / f"kubeconfig-{id(self):x}.yaml"
         self._crds = crds or []
         self._service_monitors = service_monitors
         self._ready = threading.Event()

@@ -1,0 +1,86 @@
+{{/* Names and labels shared by every template. */}}
+
+{{- define "hivekeeper.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "hivekeeper.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "hivekeeper.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "hivekeeper.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "hivekeeper.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "hivekeeper.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: hivekeeper
+{{- end -}}
+
+{{- define "hivekeeper.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "hivekeeper.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "hivekeeper.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "hivekeeper.swarmImage" -}}
+{{- if .Values.swarmImage.repository -}}
+{{- printf "%s:%s" .Values.swarmImage.repository (default .Chart.AppVersion .Values.swarmImage.tag) -}}
+{{- else -}}
+{{- include "hivekeeper.image" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+What the operator may do, and nothing more: read and annotate its own resources, write their
+status, create and update the children it owns. Pods are never touched directly, and the swarm
+pods themselves get no API access at all (automountServiceAccountToken: false).
+*/}}
+{{- define "hivekeeper.rules" -}}
+- apiGroups: ["hivekeeper.dev"]
+  resources: ["swarms"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["hivekeeper.dev"]
+  resources: ["swarms/status"]
+  verbs: ["get", "patch", "update"]
+# Owner references with blockOwnerDeletion need update on the owner's finalizers.
+- apiGroups: ["hivekeeper.dev"]
+  resources: ["swarms/finalizers"]
+  verbs: ["update"]
+- apiGroups: [""]
+  resources: ["configmaps", "secrets", "services"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch", "delete"]
+{{- if ne .Values.swarmServiceMonitors "off" }}
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["servicemonitors"]
+  verbs: ["get", "create", "patch", "delete"]
+{{- end }}
+# kopf reports handler failures as events on the resource.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end -}}

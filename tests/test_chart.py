@@ -1,0 +1,161 @@
+"""The Helm chart: lint clean, and what it renders validates against Kubernetes 1.33's own
+schemas (kubernetes-validate --strict). helm comes from scripts/get-helm.sh (.tools/bin)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+CHART = REPO / "charts" / "hivekeeper"
+K8S_VERSION = "1.33.0"
+
+
+def find_helm() -> str | None:
+    local = REPO / ".tools" / "bin" / "helm"
+    return str(local) if local.exists() else shutil.which("helm")
+
+
+HELM = find_helm()
+needs_helm = pytest.mark.skipif(HELM is None, reason="helm is not installed: run scripts/get-helm.sh")
+
+
+def helm(*args: str) -> str:
+    result = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def render(*values: str) -> list[dict]:
+    flags = [item for value in values for item in ("--set", value)]
+    text = helm("template", "hk", str(CHART), "--namespace", "hivekeeper", "--include-crds", *flags)
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def kinds(documents: list[dict]) -> list[tuple[str, str]]:
+    return [(d["kind"], d["metadata"]["name"]) for d in documents]
+
+
+@needs_helm
+def test_helm_lint_is_clean():
+    output = helm("lint", str(CHART), "--strict")
+    assert "0 chart(s) failed" in output
+    assert "[WARNING]" not in output and "[ERROR]" not in output
+
+
+VALUE_SETS = {
+    "defaults": (),
+    "namespaced": ("watchNamespaces={ml,research}",),
+    "monitoring": ("serviceMonitor.enabled=true", "swarmServiceMonitors=off", "imagePullSecrets={regcred}"),
+    "gpu-image": ("swarmImage.repository=registry.example/hivekeeper-cuda", "swarmImage.tag=0.1.0-cu128"),
+}
+
+
+@needs_helm
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_rendered_chart_validates_strictly_against_kubernetes_1_33(name, tmp_path):
+    validator = shutil.which("kubernetes-validate") or (
+        str(Path(__import__("sys").executable).parent / "kubernetes-validate"))
+    if not Path(validator).exists():
+        pytest.skip("kubernetes-validate is not installed: pip install -e '.[operator-test]'")
+    documents = render(*VALUE_SETS[name])
+    path = tmp_path / "rendered.yaml"
+    path.write_text(yaml.safe_dump_all(documents))
+    result = subprocess.run([validator, "--strict", "-k", K8S_VERSION, str(path)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ERROR" not in result.stdout + result.stderr
+    # Every kind is known to Kubernetes 1.33 except the Prometheus Operator's ServiceMonitor.
+    unknown = [line for line in (result.stdout + result.stderr).splitlines() if "Couldn't find schema" in line]
+    assert all("ServiceMonitor" in line for line in unknown), unknown
+
+
+@needs_helm
+def test_chart_installs_the_crds_the_operator_and_its_rbac():
+    documents = render()
+    assert ("CustomResourceDefinition", "swarms.hivekeeper.dev") in kinds(documents)
+    crd = next(d for d in documents if d["kind"] == "CustomResourceDefinition")
+    assert crd == yaml.safe_load((REPO / "crds" / "swarms.hivekeeper.dev.yaml").read_text())
+    deployment = next(d for d in documents if d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["hivekeeper-operator"]
+    assert container["image"] == "hivekeeper:0.1.0"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["HIVEKEEPER_WATCH_NAMESPACES"] == "" and env["HIVEKEEPER_IMAGE"] == "hivekeeper:0.1.0"
+    assert {p["path"] for p in (container["livenessProbe"]["httpGet"], container["readinessProbe"]["httpGet"])} == {
+        "/healthz", "/readyz"}
+    assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert ("ClusterRole", "hk-hivekeeper") in kinds(documents)
+    assert not [k for k in kinds(documents) if k[0] == "Role"]
+
+
+def rules(document: dict) -> dict[tuple[str, str], set[str]]:
+    out = {}
+    for rule in document["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                out[(group, resource)] = set(rule["verbs"])
+    return out
+
+
+@needs_helm
+def test_rbac_is_least_privilege():
+    role = rules(next(d for d in render() if d["kind"] == "ClusterRole"))
+    # Nothing cluster-scoped, no wildcards, no pods, no rights to change RBAC or CRDs.
+    assert all("*" not in verbs for verbs in role.values())
+    assert not {r for (_, r) in role} & {"pods", "nodes", "namespaces", "customresourcedefinitions", "roles",
+                                         "clusterroles", "rolebindings", "clusterrolebindings"}
+    assert role[("hivekeeper.dev", "swarms")] == {"get", "list", "watch", "patch"}
+    assert role[("hivekeeper.dev", "swarms/status")] == {"get", "patch", "update"}
+    assert role[("", "secrets")] == {"get", "create", "patch", "delete"}  # never list or watch secrets
+    assert role[("", "events")] == {"create"}
+    assert ("monitoring.coreos.com", "servicemonitors") in role
+
+    # Watching namespaces: a Role in each, no ClusterRole.
+    documents = render("watchNamespaces={ml,research}", "swarmServiceMonitors=off")
+    assert [k for k in kinds(documents) if k[0].startswith("Cluster")] == []
+    roles = [d for d in documents if d["kind"] == "Role"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "research"]
+    assert ("monitoring.coreos.com", "servicemonitors") not in rules(roles[0])
+    bindings = [d for d in documents if d["kind"] == "RoleBinding"]
+    assert {b["subjects"][0]["namespace"] for b in bindings} == {"hivekeeper"}
+    env = {e["name"]: e["value"] for e in next(d for d in documents if d["kind"] == "Deployment")
+           ["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["HIVEKEEPER_WATCH_NAMESPACES"] == "ml,research"
+
+
+@needs_helm
+def test_rbac_covers_every_child_the_operator_writes():
+    """What the operator creates for a Swarm (hivekeeper_operator.swarm) is in the chart's rules."""
+    pytest.importorskip("kopf")
+    from hivekeeper_operator.swarm import all_children
+
+    role = rules(next(d for d in render() if d["kind"] == "ClusterRole"))
+    plural = {"Secret": "secrets", "ConfigMap": "configmaps", "Service": "services", "StatefulSet": "statefulsets",
+              "Job": "jobs", "PodDisruptionBudget": "poddisruptionbudgets", "ServiceMonitor": "servicemonitors"}
+    for api_version, kind, _ in all_children("x"):
+        group = api_version.rpartition("/")[0]
+        assert {"get", "create", "patch", "delete"} <= role[(group, plural[kind])], kind
+
+
+@needs_helm
+def test_notes_tell_the_user_what_to_apply_next(tmp_path):
+    # `helm install --dry-run` wants a cluster; render NOTES.txt through a template instead.
+    chart = tmp_path / "hivekeeper"
+    shutil.copytree(CHART, chart)
+    shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.txt")
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n'
+        'data:\n  notes: {{ tpl (.Files.Get "notes.txt") . | quote }}\n')
+    text = helm("template", "hk", str(chart), "--namespace", "hivekeeper", "--show-only", "templates/zz-notes.yaml")
+    notes = yaml.safe_load(text)["data"]["notes"]
+    assert "kubectl apply -f examples/swarm-digits.yaml" in notes
+    assert "kubectl get swarms" in notes
+    assert "kubectl scale swarm/digits --replicas=5" in notes
+    assert "curl localhost:8080/metrics" in notes

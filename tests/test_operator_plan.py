@@ -1,0 +1,207 @@
+"""The operator's pure parts: the Kubernetes network for the topology, the children it plans
+for every example (valid Kubernetes 1.33 objects, commands the CLI accepts), the pod launcher,
+status conditions, and the runtime image's entrypoint."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("kopf", reason="the operator extra is not installed (pip install -e '.[operator]')")
+
+from conftest import EXAMPLES, REPO  # noqa: E402
+from hivekeeper.cli import build_parser  # noqa: E402
+from hivekeeper.spec import load_manifest  # noqa: E402
+from hivekeeper_operator import launch  # noqa: E402
+from hivekeeper_operator.conditions import Cond, render_conditions  # noqa: E402
+from hivekeeper_operator.network import KubernetesNetwork  # noqa: E402
+from hivekeeper_operator.swarm import (  # noqa: E402
+    CONFIG_HASH,
+    Observed,
+    WorkloadSettings,
+    plan_swarm,
+    swarm_status,
+)
+
+PEER = "QmcMnYTosWBs1ZaJR1dwEV3eRk1SHoPoTggxmWwZJGKG96"
+SETTINGS = WorkloadSettings(image="hivekeeper:test")
+
+
+def owner(name: str) -> dict:
+    return {"apiVersion": "hivekeeper.dev/v1alpha1", "kind": "Swarm",
+            "metadata": {"name": name, "namespace": "default", "uid": "0000-1111"}}
+
+
+def plan_for(path: Path, **kwargs):
+    manifest = load_manifest(path)
+    peers = [PEER] * manifest.spec.backbone.replicas
+    keys = {f"backbone-{i}.key": "a2V5" for i in range(manifest.spec.backbone.replicas)}
+    return manifest, plan_swarm(owner(manifest.metadata.name), manifest, peers, keys, SETTINGS, **kwargs)
+
+
+EXAMPLE_PATHS = sorted(EXAMPLES.glob("*.yaml"))
+SWARM_EXAMPLES = [p for p in EXAMPLE_PATHS if yaml.safe_load(p.read_text()).get("kind") == "Swarm"]
+
+
+def test_backbone_is_reached_through_the_headless_service():
+    network = KubernetesNetwork("digits", "ml", "cluster.local")
+    assert network.backbone_maddr(0, 31337, PEER) == (
+        f"/dns4/digits-backbone-0.digits-backbone.ml.svc.cluster.local/tcp/31337/p2p/{PEER}")
+    assert network.listen_host == "0.0.0.0"
+    assert network.port("trainer-3", "p2p") == network.port("backbone-0", "p2p")  # one pod, one IP
+    assert network.identity_path("backbone-1") == "/var/run/hivekeeper/keys/backbone-1.key"
+    assert network.announce_host("trainer-0") == "$(POD_IP)"
+
+
+@pytest.mark.parametrize("path", SWARM_EXAMPLES, ids=lambda p: p.name)
+def test_planned_children_are_valid_kubernetes_objects(path):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    _, plan = plan_for(path)
+    for child in plan.children:
+        kubernetes_validate.validate(child, "1.33.0", strict=True)
+    # The names a StatefulSet's pods get stay within DNS label limits even for the longest name.
+    long_name = load_manifest(path)
+    long_name.metadata.name = "x" * 40
+    for child in plan_swarm(owner(long_name.metadata.name), long_name, [PEER] * long_name.spec.backbone.replicas,
+                            {}, SETTINGS).children:
+        if child["kind"] == "StatefulSet":
+            assert len(child["metadata"]["name"]) <= 52  # room for "-<controller-revision-hash>"
+        kubernetes_validate.validate(child, "1.33.0", strict=True)
+
+
+@pytest.mark.parametrize("path", SWARM_EXAMPLES, ids=lambda p: p.name)
+def test_every_pod_command_is_one_the_cli_accepts(path):
+    manifest, plan = plan_for(path)
+    roles = json.loads(next(c for c in plan.children if c["kind"] == "ConfigMap")["data"]["roles.json"])
+    expected = {f"backbone-{i}" for i in range(manifest.spec.backbone.replicas)}
+    expected |= {f"trainer-{i}" for i in range(manifest.spec.trainers.replicas)}
+    expected |= {f"auxiliary-{i}" for i in range(manifest.spec.auxiliary.replicas)}
+    expected |= {"monitor-0"} if manifest.spec.monitor.enabled else set()
+    assert set(roles) == expected
+    environ = {"POD_IP": "10.1.2.3"}
+    for name, role in roles.items():
+        component, index = name.rsplit("-", 1)
+        args = launch.resolve(roles, component, int(index), environ)
+        parsed = build_parser().parse_args(["run", *args])
+        assert parsed.role == component and parsed.index == int(index)
+        assert parsed.host == "0.0.0.0" and parsed.announce_host == "10.1.2.3"
+        assert parsed.metrics_port == 9300 and parsed.p2p_port == 31337
+        assert parsed.manifest == "/etc/hivekeeper/manifest.json"
+
+
+def test_launcher_picks_the_pods_own_role(tmp_path, capsys):
+    _, plan = plan_for(EXAMPLES / "swarm-digits.yaml")
+    roles_file = tmp_path / "roles.json"
+    roles_file.write_text(next(c for c in plan.children if c["kind"] == "ConfigMap")["data"]["roles.json"])
+    assert launch.ordinal("digits-trainer-12") == 12
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("POD_NAME", "digits-trainer-2")
+        mp.setenv("POD_IP", "10.0.0.7")
+        assert launch.main(["--component", "trainer", "--roles", str(roles_file), "--dry-run"]) == 0
+    command = json.loads(capsys.readouterr().out)
+    assert command[:3] == ["hivekeeper", "run", "trainer"]
+    assert command[command.index("--index") + 1] == "2"
+    assert command[command.index("--announce-host") + 1] == "10.0.0.7"
+    with pytest.raises(SystemExit, match="no role 'trainer-9'"):
+        launch.resolve(json.loads(roles_file.read_text()), "trainer", 9, {})
+    assert launch.expand("$(POD_IP)/$(UNSET)", {"POD_IP": "1.2.3.4"}) == "1.2.3.4/$(UNSET)"
+
+
+def test_scaling_changes_no_pod_template_and_completion_stops_every_peer():
+    manifest, plan = plan_for(EXAMPLES / "swarm-digits.yaml")
+    templates = {c["metadata"]["name"]: c["spec"]["template"] for c in plan.children if c["kind"] == "StatefulSet"}
+    manifest.spec.trainers.replicas = 7
+    manifest.spec.auxiliary.replicas = 0
+    scaled = plan_swarm(owner("digits"), manifest, [PEER], {}, SETTINGS)
+    assert {c["metadata"]["name"]: c["spec"]["template"] for c in scaled.children if c["kind"] == "StatefulSet"} == templates
+    assert scaled.hashes == plan.hashes
+    manifest.spec.optimizer.learning_rate = 0.01
+    changed = plan_swarm(owner("digits"), manifest, [PEER], {}, SETTINGS)
+    assert all(changed.hashes[c] != plan.hashes[c] for c in plan.hashes)
+    done = plan_swarm(owner("digits"), manifest, [PEER], {}, SETTINGS, completed=True)
+    assert {c["metadata"]["name"]: c["spec"]["replicas"] for c in done.children if c["kind"] == "StatefulSet"} == {
+        "digits-backbone": 0, "digits-trainer": 0, "digits-auxiliary": 0}
+    job = next(c for c in done.children if c["kind"] == "Job")
+    assert job["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH] == changed.hashes["monitor"]
+
+
+def test_gpu_trainers_request_and_limit_gpus():
+    manifest = load_manifest(EXAMPLES / "swarm-digits.yaml")
+    manifest.spec.trainers.resources.gpu = 2
+    plan = plan_swarm(owner("digits"), manifest, [PEER], {}, SETTINGS)
+    sts = next(c for c in plan.children if c["metadata"]["name"] == "digits-trainer" and c["kind"] == "StatefulSet")
+    resources = sts["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["limits"] == {"nvidia.com/gpu": 2} and resources["requests"]["nvidia.com/gpu"] == 2
+
+
+def test_conditions_keep_their_transition_time_until_they_change():
+    first = render_conditions([Cond("Ready", False, "PeersNotReady")], None, 1, "2026-01-01T00:00:00Z")
+    same = render_conditions([Cond("Ready", False, "PeersNotReady", "other text")], first, 2, "2026-01-01T00:05:00Z")
+    assert same[0]["lastTransitionTime"] == "2026-01-01T00:00:00Z" and same[0]["observedGeneration"] == 2
+    flipped = render_conditions([Cond("Ready", True, "AllPeersReady")], same, 2, "2026-01-01T00:06:00Z")
+    assert flipped[0]["lastTransitionTime"] == "2026-01-01T00:06:00Z"
+
+
+def test_a_rollout_that_never_settles_is_degraded():
+    manifest, plan = plan_for(EXAMPLES / "swarm-digits.yaml")
+    observed = Observed(workloads={})
+    settings = WorkloadSettings(progress_deadline_seconds=60)
+    start = swarm_status(generation=1, previous=None, now="2026-01-01T00:00:00Z", plan=plan, observed=observed,
+                         settings=settings, swarm="digits")
+    assert {c["type"]: c["reason"] for c in start["conditions"]}["Degraded"] == "AsExpected"
+    later = swarm_status(generation=1, previous=start, now="2026-01-01T00:02:00Z", plan=plan, observed=observed,
+                         settings=settings, swarm="digits")
+    degraded = next(c for c in later["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "ProgressDeadlineExceeded"
+
+
+# ---------------------------------------------------------------------------------------------
+# The runtime image
+
+
+def test_dockerfile_builds_one_non_root_image_with_the_hivekeeper_entrypoint():
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r'^ENTRYPOINT \["hivekeeper"\]$', text, re.M)
+    user = re.search(r"^USER (\S+)$", text, re.M).group(1)
+    assert user.split(":")[0].isdigit() and user.split(":")[0] != "0"  # numeric, for runAsNonRoot
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11", text, re.M)
+    pinned = re.search(r'"torch==([\d.]+)"', (REPO / "pyproject.toml").read_text()).group(1)
+    assert re.search(rf"^ARG TORCH_VERSION={re.escape(pinned)}$", text, re.M)
+    assert '".[operator]"' in text and "--only-binary=hivemind" in text
+
+
+def test_the_entrypoints_start():
+    bin_dir = Path(sys.executable).parent
+    out = subprocess.run([str(bin_dir / "hivekeeper"), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "run" in out.stdout and "crds" in out.stdout
+    out = subprocess.run([str(bin_dir / "hivekeeper-operator"), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--namespace" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "hivekeeper_operator.launch", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "--component" in out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_the_package_as_the_dockerfile_installs_it_has_both_source_roots(tmp_path):
+    """`pip install .` (not editable) ships hivekeeper and hivekeeper_operator and both scripts."""
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                             "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=280)
+    if result.returncode != 0 and "No module named" in result.stderr:
+        pytest.skip(f"cannot build a wheel here: {result.stderr.strip().splitlines()[-1]}")
+    assert result.returncode == 0, result.stderr
+    wheel = next(tmp_path.glob("hivekeeper-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        entry_points = next(z.read(n).decode() for n in names if n.endswith("entry_points.txt"))
+    assert {"hivekeeper/cli.py", "hivekeeper/spec/crd.py", "hivekeeper_operator/launch.py",
+            "hivekeeper_operator/__main__.py"} <= names
+    assert not any(n.startswith("operator/") for n in names)  # never a top-level `operator` package
+    assert "hivekeeper = hivekeeper.cli:main" in entry_points
+    assert "hivekeeper-operator = hivekeeper_operator.__main__:main" in entry_points
