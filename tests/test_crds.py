@@ -207,16 +207,8 @@ def bad(changes: dict[str, Any] | None) -> dict[str, Any]:
     return deep_update(SWARM, changes)
 
 
-# Where the two sides still differ: pydantic's lax mode reads "yes" as true; the apiserver
-# rejects a string for a boolean. Strict booleans in the spec models would close it.
-DIVERGENT = {"boolean as text": "pydantic's lax mode accepts 'yes' for a bool; the CRD does not"}
-
-
 @needs_jsonschema
-@pytest.mark.parametrize("case", [
-    pytest.param(case, marks=pytest.mark.xfail(strict=True, reason=DIVERGENT[case])) if case in DIVERGENT else case
-    for case in sorted(BAD_SWARMS)
-])
+@pytest.mark.parametrize("case", sorted(BAD_SWARMS))
 def test_bad_manifests_are_rejected_by_both_sides(case):
     document = bad(BAD_SWARMS[case])
     assert not crd_accepts(document), f"the CRD accepts: {case}"

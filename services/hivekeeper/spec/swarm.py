@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StrictBool, field_validator, model_validator
 
 from hivekeeper.spec.base import SpecModel
 
@@ -53,7 +53,7 @@ class TrainerSpec(SpecModel):
     replicas: int = Field(2, ge=0)
     batch_size: int = Field(32, ge=1, description="local batch per forward/backward pass")
     resources: Resources = Field(default_factory=Resources)
-    client_mode: bool = Field(False, description="trainers cannot accept inbound connections")
+    client_mode: StrictBool = Field(False, description="trainers cannot accept inbound connections")
 
 
 class AuxiliarySpec(SpecModel):
@@ -65,13 +65,13 @@ class AveragingSpec(SpecModel):
     matchmaking_seconds: float = Field(2.0, gt=0, description="time to gather a group before each round")
     timeout_seconds: float = Field(30.0, gt=0, description="give up on a round after this long")
     compression: CompressionName = "none"
-    delayed_parameter_updates: bool = Field(False, description="DeDLOC's DPU: step in the background while computing")
+    delayed_parameter_updates: StrictBool = Field(False, description="DeDLOC's DPU: step in the background while computing")
     target_group_size: Optional[int] = Field(None, ge=2, description="all-reduce group size; default: every peer")
     average_state_every: int = Field(1, ge=1, description="also average parameters every N steps")
 
 
 class MonitorSpec(SpecModel):
-    enabled: bool = True
+    enabled: StrictBool = True  # strict: 'yes' is an error here, as it is for the CRD
     eval_every_steps: int = Field(5, ge=1, description="evaluate held-out metrics every N global steps")
     checkpoint_every_steps: int = Field(20, ge=1)
     checkpoint_dir: Optional[str] = Field(None, description="default: RUN_DIR/checkpoints, or the pod's volume")
