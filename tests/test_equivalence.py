@@ -3,22 +3,22 @@
 Three trainers with different local batch sizes (8, 16, 24) and speeds (one is slowed down)
 and an auxiliary peer train together with targetBatchSize 96. Every trainer traces the
 examples it used, the loss of each batch, each averaging round with its members, and a
-snapshot of its parameters whenever they change. Every global step whose members started
-from the same parameters theta is then checked against single-process SGD:
+snapshot of its parameters whenever they change. Then every global step is checked:
 
-- the collaboration's loss for the step (the sample-weighted mean of the members' batch
-  losses) equals one process's loss on the union of those examples at theta;
-- each member's parameters after the round equal theta - lr * grad(union).
+- each batch's traced loss equals the loss recomputed at the parameters it was computed at;
+- the step applied the sample-weighted mean of all members' gradients, over the union of
+  their examples: a member's parameters after the round equal theta - lr * that mean.
 
-Plain SGD makes each step checkable on its own, without replaying optimizer state. (Adam's
-equivalence needed a fix, `reset_step_counters`, found by an earlier form of this test.)
+When every member starts a step from the same theta (reported as "replica-spread 0"), that is
+exactly one large-batch SGD step on the union of their examples. Plain SGD makes each step
+checkable on its own, without replaying optimizer state. (Adam's equivalence needed a fix,
+`reset_step_counters`, found by an earlier form of this test.)
 
-hivemind does not keep peers in lockstep: a peer that misses a group's matchmaking averages
-with a smaller group or alone, and from then on the replicas differ slightly until parameter
-averaging pulls them together; a joining peer first steps alone. Those steps are not large-
-batch SGD steps of one model, so they are counted and reported, not checked; the test asserts
-that enough steps were in sync to check, and that every one of them is exact. (On an idle
-machine most steps are in sync; on a loaded 2-core machine many are not.)
+What hivemind does not guarantee, and this test reports rather than asserts: that replicas
+stay identical. A peer that joins while another races ahead alone, or that loads state one
+step behind, is labelled as caught up ("Catching up with collaboration step") with parameters
+a step old, and from then on the replicas differ slightly (replica-spread ~1e-2); every step
+is still the exact average of the members' gradients, but at slightly different points.
 
 Tolerance: both sides compute the same float32 math, but sum gradients in a different order
 (per peer, then across peers in hivemind's all-reduce, which splits the vector into parts):
@@ -54,7 +54,9 @@ def run_traced_collaboration(tmp_path: Path):
         "optimizer": {"name": "sgd", "learningRate": LEARNING_RATE},
         "trainers": {"replicas": len(TRAINERS), "batchSize": 8},
         "auxiliary": {"replicas": 1},  # groups include a peer that averages but brings no gradients
-        "averaging": {"matchmakingSeconds": 2.0, "timeoutSeconds": 30},
+        # hivemind drops a member that starts its all-reduce more than matchmakingSeconds after the
+        # others (it forks off); a loaded 2-core machine needs slack for that.
+        "averaging": {"matchmakingSeconds": 3.0, "timeoutSeconds": 60},
         "monitor": {"evalEverySteps": 5, "checkpointEverySteps": 100},
         "stopping": {"targetSteps": STEPS, "targetMetric": None},
     }}))
@@ -138,7 +140,14 @@ def test_every_collaborative_step_is_a_large_batch_sgd_step(tmp_path, no_leaked_
     model = task.build_model()
     trainer_ids = {r["peer"] for trace in traces for r in trace if r["type"] == "round"}
 
-    rows, updates_checked, out_of_sync = [], 0, 0
+    rows, updates_checked, in_sync = [], 0, 0
+    cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    def params_of(name: str) -> dict[str, torch.Tensor]:
+        if name not in cache:
+            cache[name] = load_params(run_dir, name)
+        return cache[name]
+
     for group in global_steps(traces):
         members = group[0]["record"]["members"]
         batches = [b for peer_round in group for b in peer_round["batches"]]
@@ -147,42 +156,52 @@ def test_every_collaborative_step_is_a_large_batch_sgd_step(tmp_path, no_leaked_
         outcome = "skipped" if len(members) == 1 else "success"
         assert all(r["record"]["outcome"] == outcome for r in group), [r["record"] for r in group]
 
-        snapshots = sorted({b["params"] for b in batches})
-        theta = load_params(run_dir, snapshots[0])
-        spread = max((t - theta[n]).abs().max().item() for s in snapshots for n, t in load_params(run_dir, s).items())
-        if spread > 1e-6:
-            out_of_sync += 1
-            continue
-        model.load_state_dict(theta)
-        model.zero_grad()
-        indices = [i for b in batches for i in b["indices"]]
-        loss = task.loss(model, task.train_batch(indices))
-        loss.backward()
-        collaborative = sum(b["loss"] * len(b["indices"]) for b in batches) / len(indices)
-        loss_error = abs(loss.item() - collaborative) / abs(loss.item())
+        # Each batch's gradient at the parameters it was computed at: a peer may hold slightly
+        # different parameters than its group (see the module docstring).
+        grads = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
+        loss_error, samples = 0.0, 0
+        for batch in batches:
+            model.load_state_dict(params_of(batch["params"]))
+            model.zero_grad()
+            loss = task.loss(model, task.train_batch(batch["indices"]))
+            loss.backward()
+            loss_error = max(loss_error, abs(loss.item() - batch["loss"]) / abs(loss.item()))
+            for name, p in model.named_parameters():
+                grads[name] += p.grad * len(batch["indices"])
+            samples += len(batch["indices"])
+        averaged = {name: g / samples for name, g in grads.items()}
+        collaborative = sum(b["loss"] * len(b["indices"]) for b in batches) / samples
+        spread = max((params_of(s)[n] - params_of(batches[0]["params"])[n]).abs().max().item()
+                      for s in {b["params"] for b in batches} for n in averaged)
+        in_sync += spread <= 1e-6
 
-        # All members apply the same averaged gradient, so one member whose next parameters are
-        # theta - lr * grad(union) proves the step. Another member's next snapshot may already
-        # include a later change (parameter averaging with replicas that fell out of sync).
+        # All members apply the same averaged gradient to their own parameters, so one member whose
+        # next parameters are theta_m - lr * averaged proves the step. Another member's next
+        # snapshot may already include a later change (parameter averaging).
         update_error = None
-        expected = {name: p.detach() - LEARNING_RATE * p.grad for name, p in model.named_parameters()}
-        scale = max(v.abs().max().item() for v in expected.values())
         for peer_round in group:
-            if peer_round["after"] is not None:
-                after = load_params(run_dir, peer_round["after"])
-                error = max((after[n] - expected[n]).abs().max().item() for n in expected) / scale
-                update_error = error if update_error is None else min(update_error, error)
+            if peer_round["after"] is None or not peer_round["batches"]:
+                continue
+            theta = params_of(peer_round["batches"][-1]["params"])
+            expected = {n: theta[n] - LEARNING_RATE * averaged[n] for n in averaged}
+            scale = max(v.abs().max().item() for v in expected.values())
+            after = params_of(peer_round["after"])
+            error = max((after[n] - expected[n]).abs().max().item() for n in expected) / scale
+            update_error = error if update_error is None else min(update_error, error)
         updates_checked += update_error is not None and len(group) > 1
-        rows.append((len(rows), len(group), len(indices), collaborative, loss.item(), loss_error, update_error))
+        rows.append((len(rows), len(group), samples, collaborative, spread, loss_error, update_error))
 
     report = "\n".join(
-        f"step {s:2d} peers {p} batch {b:3d} collaborative {c:.6f} single {r:.6f} loss-rel {le:.1e} "
-        f"update-rel {'-' if ue is None else f'{ue:.1e}'}" for s, p, b, c, r, le, ue in rows)
+        f"step {s:2d} peers {p} batch {b:3d} loss {c:.6f} replica-spread {sp:.1e} loss-rel {le:.1e} "
+        f"update-rel {'-' if ue is None else f'{ue:.1e}'}" for s, p, b, c, sp, le, ue in rows)
     print(report)
-    print(f"{len(rows)} steps checked, {updates_checked} of them multi-peer with updates; {out_of_sync} out of sync")
+    print(f"{len(rows)} steps checked, {updates_checked} multi-peer updates checked, {in_sync} steps with "
+          f"every member at the same parameters")
     assert updates_checked >= 5, f"only {updates_checked} multi-peer steps could be checked\n{report}"
     assert any(p == len(TRAINERS) for _, p, *_ in rows), report
-    assert all(b >= spec.target_batch_size for _, _, b, *_ in rows), "every step saw the global batch"
-    assert rows[-1][4] < rows[0][4], "the model learned"
+    # A peer behind the global step steps at once with what it has, to catch up; a step that all
+    # trainers took together always saw the global batch.
+    assert all(b >= spec.target_batch_size for _, p, b, *_ in rows if p == len(TRAINERS)), report
+    assert rows[-1][3] < rows[0][3], "the model learned"
     assert max(le for *_, le, _ in rows) < TOLERANCE, report
     assert max(ue for *_, ue in rows if ue is not None) < TOLERANCE, report
