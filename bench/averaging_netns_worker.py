@@ -91,7 +91,8 @@ def run_round(averager, u: torch.Tensor, args, command: dict) -> dict:
         error = float((tensor - (u * mean_a + mean_b)).abs().max())
     r = averager.last_round
     return {"round": k, "planned": r.planned, "started": r.started, "finished": r.finished,
-            "elements": r.aggregated_elements, "groupSize": r.group_size, "maxError": error}
+            "elements": r.aggregated_elements, "groupSize": r.group_size, "maxError": error,
+            "missingElements": r.missing_elements}
 
 
 def reply(message: dict) -> None:

@@ -3,6 +3,9 @@ shares, still compute the exact mean, and fall back to hivemind's split without 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -70,13 +73,36 @@ def test_planned_sits_right_above_decentralized_averager():
 # --- real averagers --------------------------------------------------------------------------
 
 
+def own_p2pd() -> set[int]:
+    """p2pd processes started from this process (other jobs on the machine may run their own)."""
+
+    def parent(pid: int) -> int:
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return 0
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parent(pid)
+            if pid == os.getpid():
+                return True
+        return False
+
+    return {pid for pid in p2pd_pids() if descends(pid)}
+
+
+def assert_stopped(pids: set[int]) -> None:
+    alive = pids & p2pd_pids()
+    assert not alive, f"p2pd processes leaked: {sorted(alive)}"
+
+
 @pytest.fixture(scope="module")
 def swarm():
     """Four averagers in one DHT: two full peers, an auxiliary one and one in client mode."""
     import hivemind
 
-    before = p2pd_pids()
-    dhts, averagers = [], []
+    dhts, averagers, started = [], [], set()
     try:
         first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         dhts.append(first)
@@ -90,14 +116,15 @@ def swarm():
                 auxiliary=auxiliary, target_group_size=4, min_group_size=4, min_matchmaking_time=1.0,
                 request_timeout=0.5, part_size_bytes=4 * PART,
             ))
+        started = own_p2pd()
         yield averagers
     finally:
+        started |= own_p2pd()
         for averager in averagers:
             averager.shutdown()
         for dht in dhts:
             dht.shutdown()
-    leaked = p2pd_pids() - before
-    assert not leaked, f"p2pd processes leaked: {sorted(leaked)}"
+    assert_stopped(started)
 
 
 def average_once(averagers, round_seed: int):
@@ -147,7 +174,7 @@ def test_plan_shares_split_the_vector_and_the_mean_stays_exact(swarm, shares, el
         for averager in swarm:
             averager.clear_plan()
     rounds = [averager.last_round for averager in swarm]
-    assert all(r.planned and r.group_size == 4 for r in rounds)
+    assert all(r.planned and r.group_size == 4 and r.missing_elements == 0 for r in rounds)
     assert [r.aggregated_elements for r in rounds] == elements
     # senders are the full peers and the client; the auxiliary aggregates but neither sends nor receives
     assert_mean(inputs, outputs, receivers=[0, 1, 3], senders=[0, 1, 3])
@@ -161,7 +188,8 @@ def test_without_a_plan_hivemind_splits_evenly(swarm):
     rounds = [averager.last_round for averager in swarm]
     assert not any(r.planned for r in rounds)
     # hivemind, no bandwidth typed in: equal parts for the three peers that accept connections
-    assert all(abs(r.aggregated_elements - TOTAL / 3) <= PART for r in rounds[:3]) and rounds[3].aggregated_elements == 0
+    assert all(abs(r.aggregated_elements - TOTAL / 3) <= PART for r in rounds[:3])
+    assert rounds[3].aggregated_elements == 0
     assert_mean(inputs, outputs, receivers=[0, 1, 2, 3], senders=[0, 1, 3])  # the auxiliary sends with weight 0
 
 
@@ -193,3 +221,45 @@ def _now() -> float:
     from hivemind.utils.timed_storage import get_dht_time
 
     return get_dht_time()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_hiveminds_gradient_averager_follows_the_plan():
+    """Through `planned(GradientAverager)`: hivemind's own step and schedule_step reach the hook,
+    and the samples-weighted mean of the gradients is kept."""
+    import hivemind
+    from hivemind.optim.grad_averager import GradientAverager
+
+    dhts, averagers, params, others = [], [], [], own_p2pd()  # the module's swarm may still run
+    try:
+        dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                 initial_peers=[str(m) for m in dhts[0].get_visible_maddrs()]))
+        for dht in dhts:
+            params.append(torch.nn.Parameter(torch.zeros(3000)))
+            averagers.append(planned(GradientAverager)(
+                [params[-1]], dht=dht, prefix="planned_grad_test", start=True, target_group_size=2,
+                min_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5, part_size_bytes=4 * PART,
+            ))
+        plan = dict(zip(peer_ids(averagers), (0.8, 0.2)))
+        grads = [torch.randn(3000, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+        for averager, param, grad, batch in zip(averagers, params, grads, (1, 3)):
+            averager.set_plan(plan, expires_at=_now() + 600)
+            param.grad = grad.clone()
+            averager.accumulate_grads_(batch_size=batch)
+        controls = [averager.step(wait=False, timeout=60) for averager in averagers]
+        for control in controls:
+            control.result(timeout=90)
+        assert [a.last_round.aggregated_elements for a in averagers] == [2400, 600]
+        assert all(a.last_round.planned for a in averagers)
+        for averager in averagers:
+            with averager.use_averaged_gradients() as (averaged,):
+                assert torch.allclose(averaged, (grads[0] * 1 + grads[1] * 3) / 4, atol=1e-5)
+    finally:
+        started = own_p2pd() - others
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+    assert_stopped(started)

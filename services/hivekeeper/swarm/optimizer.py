@@ -97,17 +97,17 @@ def make_instrumented_classes():
 
         async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
             await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
-            fractions = kwargs.get("peer_fractions")
+            parts = kwargs.get("peer_fractions")  # despite the name: elements each peer aggregates
             modes = kwargs.get("modes")
-            if not fractions:
+            if not parts:
                 return
             me = group_info.peer_ids.index(self.peer_id)
             sends_data = modes is None or modes[me].name != "AUX"
-            senders = sum(1 for m in modes if m.name != "AUX") if modes is not None else len(fractions)
+            senders = sum(1 for m in modes if m.name != "AUX") if modes is not None else len(parts)
             size = self.total_size * self.wire_bytes_per_element
             # As a sender: my vector minus the part I aggregate goes out, and the averaged parts come back.
             # As an aggregator: every other sender's share of my part comes in, and the averages go back.
-            own_part = size * fractions[me]
+            own_part = parts[me] * self.wire_bytes_per_element
             outbound = (size - own_part if sends_data else 0.0) + own_part * (senders - int(sends_data))
             with self.sent_bytes.get_lock():
                 self.sent_bytes.value += outbound

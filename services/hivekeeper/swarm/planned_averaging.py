@@ -30,7 +30,8 @@ client-mode members only (`_PlannedRunner`), and pass the members' modes to the 
 that auxiliary peers aggregate without sending zeros (hivemind 1.1.12 drops the modes).
 
 The child reports each finished round (planned or not, elements it aggregated, start and
-end) through a small shared array created before the fork: `last_round`.
+end, elements whose average never arrived) through a small shared array created before the
+fork: `last_round`.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ log = logging.getLogger("hivekeeper.planned_averaging")
 
 PLAN_KEY = "hivekeeper.plan"  # marks a gathered entry: {PLAN_KEY: [digest, share], "gather": user data}
 _CLIENT = AveragingMode.CLIENT.value
-_ROUNDS, _PLANNED, _ELEMENTS, _STARTED, _FINISHED, _GROUP = range(6)  # fields of the shared report
+_ROUNDS, _PLANNED, _ELEMENTS, _STARTED, _FINISHED, _GROUP, _MISSING = range(7)  # fields of the shared report
 
 
 def plan_digest(shares: Mapping[str, float]) -> str:
@@ -102,6 +103,9 @@ class PlannedRound:
     started: float  # time.time() when its all-reduce began (after matchmaking) and ended
     finished: float
     group_size: int
+    # elements whose average never arrived (a groupmate failed mid-round): hivemind keeps this
+    # peer's own values there, logs "received 99.x% results" and still reports success
+    missing_elements: int = 0
 
     @property
     def seconds(self) -> float:
@@ -122,7 +126,7 @@ class PlannedAverager(DecentralizedAverager):
     def __init__(self, *args: Any, **kwargs: Any):
         self._plan: Optional[tuple[dict[str, float], float, str]] = None  # shares, expiry (DHT time), digest
         # created before super().__init__, which may fork the child: the child writes, the parent reads
-        self._report = mp.get_context("fork").Array(ctypes.c_double, 6)
+        self._report = mp.get_context("fork").Array(ctypes.c_double, 7)
         super().__init__(*args, **kwargs)
 
     def set_plan(self, shares: Mapping[str, float], expires_at: float) -> None:
@@ -142,7 +146,8 @@ class PlannedAverager(DecentralizedAverager):
             return None
         return PlannedRound(rounds=int(report[_ROUNDS]), planned=bool(report[_PLANNED]),
                             aggregated_elements=int(report[_ELEMENTS]), started=report[_STARTED],
-                            finished=report[_FINISHED], group_size=int(report[_GROUP]))
+                            finished=report[_FINISHED], group_size=int(report[_GROUP]),
+                            missing_elements=int(report[_MISSING]))
 
     def step(self, gather: Any = None, *args: Any, **kwargs: Any):
         """hivemind's step; the gathered data carries this peer's plan entry while the plan is valid."""
@@ -173,6 +178,7 @@ class PlannedAverager(DecentralizedAverager):
                 report = self._report
                 report[_PLANNED], report[_STARTED], report[_FINISHED] = bool(planned_kwargs), started, time.time()
                 report[_ELEMENTS], report[_GROUP] = self._aggregated_elements, len(group_info.peer_ids)
+                report[_MISSING] = self._missing_elements
                 report[_ROUNDS] += 1
             return dict(zip(group_info.peer_ids, user_data))
         except BaseException as e:
@@ -183,7 +189,7 @@ class PlannedAverager(DecentralizedAverager):
     async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id: Optional[bytes] = None,
                                       **kwargs: Any):
         """DecentralizedAverager's, but planned rounds (the ones that pass modes) use `_PlannedRunner`,
-        and the elements this peer aggregates are reported."""
+        and the elements this peer aggregates (and any it never got back) are reported."""
         group_id = group_info.group_id if group_id is None else group_id
         runner_type = _PlannedRunner if kwargs.get("modes") is not None else AllReduceRunner
         runner = runner_type(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
@@ -200,6 +206,7 @@ class PlannedAverager(DecentralizedAverager):
         else:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
+        self._missing_elements = runner.tensor_part_container.failed_size
 
 
 def _unwrap(data: Any) -> tuple[Optional[list], Any]:
