@@ -11,7 +11,6 @@ import json
 import threading
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -25,7 +24,7 @@ import yaml  # noqa: E402
 from conftest import EXAMPLES, deep_update  # noqa: E402
 from hivekeeper.spec.crd import crd, jsonschema_for  # noqa: E402
 from hivekeeper_operator import identity  # noqa: E402
-from hivekeeper_operator.kube import HASH_ANNOTATION, Kube  # noqa: E402
+from hivekeeper_operator.kube import Kube  # noqa: E402
 from hivekeeper.local.network import free_port  # noqa: E402
 from hivekeeper_operator.reconcile import OperatorConfig  # noqa: E402
 from hivekeeper_operator.runtime import Operator  # noqa: E402
