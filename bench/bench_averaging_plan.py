@@ -18,15 +18,13 @@ steps/s lost by rounding, and how far eq. 5's bound lies above the best realizab
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Callable, TypeVar
 
 import numpy as np
+from bench_results import write_results
 
 from hivekeeper.planning.averaging_lp import (
     EXACT_MAX_PEERS,
@@ -48,7 +46,6 @@ EQ5_MAX = 64  # eq. 5 has 2 n^2 variables: seconds at 64 peers, tens of seconds 
 LITERAL_MAX = 32
 GAP_SIZES = (8, 16, 32)
 GAP_SWARMS = 10
-RESULTS = Path(__file__).parent / "results" / "averaging_plan.json"
 
 T = TypeVar("T")
 
@@ -187,17 +184,15 @@ def main() -> None:
     at = {s["n"]: s["plan_ms"] for s in timing}
     print(f"\nanchor: DeDLOC solves in < 50 ms; plan here: n=64 {at[64]:.1f} ms, n=256 {at[256]:.1f} ms "
           f"(exact MILP up to {EXACT_MAX_PEERS} peers); load average {load[0]:.1f} on {os.cpu_count()} cores")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "anchor": "DeDLOC: LP solved in under 50 ms, about twice a minute; aim n=64 well under 50 ms, n=256 under 1 s",
-        "machine": {"cpus": os.cpu_count(), "load_average": load, "python": platform.python_version()},
-        "exact_max_peers": EXACT_MAX_PEERS,
-        "timing": timing,
-        "gap": gaps,
-        "timing_runs": timing_runs,
-        "gap_runs": gap_runs,
-    }, indent=2))
-    print(f"wrote {RESULTS}")
+    write_results(
+        "averaging_plan",
+        "DeDLOC: LP solved in under 50 ms, about twice a minute; aim n=64 well under 50 ms, n=256 under 1 s",
+        exact_max_peers=EXACT_MAX_PEERS,
+        timing=timing,
+        gap=gaps,
+        timing_runs=timing_runs,
+        gap_runs=gap_runs,
+    )
 
 
 if __name__ == "__main__":

@@ -18,14 +18,12 @@ Times are per plan, wall clock and CPU (the machine is shared; see the load aver
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
+from bench_results import write_results
 
 from hivekeeper.planning.blocks import (
     DEFAULT_BALANCE_QUALITY,
@@ -41,7 +39,6 @@ from hivekeeper.planning.blocks import (
 
 SIZES = ((8, 24), (16, 48), (32, 80), (64, 100))  # (servers, blocks)
 SWARMS = 8  # per family and size
-RESULTS = Path(__file__).parent / "results" / "block_plan.json"
 # (throughput, share of the model's blocks that fit in memory) per GPU kind
 GPU_KINDS = ((8.0, 0.5), (6.0, 0.25), (3.0, 0.15), (1.0, 0.1))
 
@@ -160,16 +157,14 @@ def main() -> None:
     print(f"\nanchor: Petals' greedy block_selection rule on the same swarms (join order = swarm order; "
           f"rebalanced with balance_quality {DEFAULT_BALANCE_QUALITY}); worst plan/greedy ratio {worst:.3f}; "
           f"'of bound' = plan / linear upper bound; load average {load[0]:.1f} on {os.cpu_count()} cores")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "anchor": "Petals' block_selection rule (greedy join, then should_choose_other_blocks with "
-                  f"balance_quality {DEFAULT_BALANCE_QUALITY}) on the same swarms",
-        "machine": {"cpus": os.cpu_count(), "load_average": load, "python": platform.python_version()},
-        "planner": {"iterations": DEFAULT_ITERATIONS, "node_limit": DEFAULT_NODE_LIMIT},
-        "summary": summary,
-        "runs": runs,
-    }, indent=2))
-    print(f"wrote {RESULTS}")
+    write_results(
+        "block_plan",
+        "Petals' block_selection rule (greedy join, then should_choose_other_blocks with "
+        f"balance_quality {DEFAULT_BALANCE_QUALITY}) on the same swarms",
+        planner={"iterations": DEFAULT_ITERATIONS, "node_limit": DEFAULT_NODE_LIMIT},
+        summary=summary,
+        runs=runs,
+    )
 
 
 if __name__ == "__main__":

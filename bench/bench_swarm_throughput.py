@@ -20,6 +20,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from bench_results import write_results
 from hivekeeper.local.runner import run_locally
 from hivekeeper.spec import parse_manifest
 
@@ -70,11 +71,8 @@ def main() -> None:
         table.add_row(name, str(r["stepsPerSecond"]), str(r["samplesPerSecondFromSteps"]), str(r["medianSamplesPerSecond"]),
                       f"{ratio:.2f}x", f"{ideal}x", str(r["wallSeconds"]), str(r["accuracy"]))
     Console().print(table)
-    out = REPO / "bench/results/swarm_throughput.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"anchor": "min(trainers, cores) x one trainer (physical limit)", "cores": cores,
-                               "steps": args.steps, "results": results}, indent=2))
-    print(f"wrote {out}")
+    write_results("swarm_throughput", "min(trainers, cores) x one trainer (physical limit)",
+                  steps=args.steps, results=results)
 
 
 if __name__ == "__main__":
