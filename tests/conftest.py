@@ -46,6 +46,17 @@ def write_manifest(directory: Path, changes: dict[str, Any] | None = None, base:
     return path
 
 
+def wait_for(condition, timeout: float, what: str):
+    """Poll `condition` until it returns something truthy (returned), or fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def parent_pid(pid: int) -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -154,8 +154,9 @@ def children(cluster: EmulatedCluster, name: str = "digits") -> dict[tuple[str, 
 EXPECTED_CHILDREN = {
     ("Secret", "digits-backbone-keys"), ("ConfigMap", "digits-config"),
     ("Service", "digits-backbone"), ("Service", "digits-trainer"), ("Service", "digits-auxiliary"),
-    ("Service", "digits-monitor"),
+    ("Service", "digits-monitor"), ("Service", "digits-balancer"),
     ("StatefulSet", "digits-backbone"), ("StatefulSet", "digits-trainer"), ("StatefulSet", "digits-auxiliary"),
+    ("StatefulSet", "digits-balancer"),
     ("Job", "digits-monitor"), ("PodDisruptionBudget", "digits-backbone"),
 }
 
@@ -172,7 +173,7 @@ def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
 def become_ready(cluster: EmulatedCluster, name: str = "digits", counts: dict[str, int] | None = None) -> None:
     """What the StatefulSet and Job controllers would report once every pod is ready."""
     counts = counts or {}
-    for component in ("backbone", "trainer", "auxiliary"):
+    for component in ("backbone", "trainer", "auxiliary", "balancer"):
         sts = cluster.object(STS, NS, f"{name}-{component}")
         n = counts.get(component, sts["spec"]["replicas"])
         cluster.set_status(STS, NS, f"{name}-{component}", {
@@ -215,7 +216,8 @@ def test_swarm_becomes_children_with_owner_references(cluster, client, start_ope
     # Every pod's arguments are the topology's, with the backbone's stable DNS name and peer ID.
     config = made[("ConfigMap", "digits-config")]["data"]
     roles = json.loads(config["roles.json"])
-    assert sorted(roles) == ["auxiliary-0", "backbone-0", "monitor-0", "trainer-0", "trainer-1", "trainer-2"]
+    assert sorted(roles) == ["auxiliary-0", "backbone-0", "balancer-0", "monitor-0", "trainer-0", "trainer-1",
+                             "trainer-2"]
     key = base64.b64decode(made[("Secret", "digits-backbone-keys")]["data"]["backbone-0.key"])
     peer = identity.peer_id(key)
     maddr = f"/dns4/digits-backbone-0.digits-backbone.default.svc.cluster.local/tcp/31337/p2p/{peer}"
@@ -223,26 +225,32 @@ def test_swarm_becomes_children_with_owner_references(cluster, client, start_ope
     assert trainer_args[:4] == ["trainer", "--manifest", "/etc/hivekeeper/manifest.json", "--index"]
     assert trainer_args[trainer_args.index("--initial-peers") + 1:] == [maddr]
     assert "--identity" in roles["backbone-0"]["args"] and "--initial-peers" not in roles["backbone-0"]["args"]
+    # Peers follow the averaging plan signed by the balancer's key, also kept in the Secret.
+    balancer = identity.peer_id(base64.b64decode(made[("Secret", "digits-backbone-keys")]["data"]["balancer-0.key"]))
+    assert trainer_args[trainer_args.index("--plan-signer") + 1] == balancer
+    assert "--identity" in roles["balancer-0"]["args"]
     rendered = json.loads(config["manifest.json"])
     assert rendered["spec"]["trainers"]["replicas"] == 3 and rendered["spec"]["optimizer"]["learningRate"] == 0.003
 
     # Status while nothing is ready yet, then once the controllers report every pod ready.
     pending = wait_for(lambda: (s := swarm(cluster)).get("status", {}).get("readyPeers") and s, what="status")
     assert pending["status"]["phase"] == "Pending"
-    assert pending["status"]["readyPeers"] == "0/6"
+    assert pending["status"]["readyPeers"] == "0/7"
     assert pending["status"]["observedGeneration"] == 1
     assert condition(pending, "Ready")["status"] == "False"
     assert pending["status"]["initialPeers"] == [maddr]
 
     monitor.reading = {"globalStep": 42, "samplesPerSecond": 1234.56, "loss": 0.5, "evalMetrics": {"accuracy": 0.9},
-                       "peersAlive": {"backbone": 1, "trainer": 3, "auxiliary": 1, "monitor": 1}}
+                       "peersAlive": {"backbone": 1, "trainer": 3, "auxiliary": 1, "monitor": 1, "balancer": 1},
+                       "stepsPerSecond": 0.41, "plan": {"stepsPerSecond": 1.19, "computeBound": 1.19}}
     become_ready(cluster)
     running = wait_for(lambda: (s := swarm(cluster))["status"].get("globalStep") == 42
                        and s["status"]["phase"] == "Running" and s, what="a Running status with live figures")
     status = running["status"]
-    assert status["readyPeers"] == "6/6"
+    assert status["readyPeers"] == "7/7"
     assert status["samplesPerSecond"] == 1234.6
-    assert status["peersAlive"] == {"backbone": 1, "trainer": 3, "auxiliary": 1, "monitor": 1}
+    assert status["stepsPerSecond"] == 0.41 and status["plannedStepsPerSecond"] == 1.19
+    assert status["peersAlive"] == {"backbone": 1, "trainer": 3, "auxiliary": 1, "monitor": 1, "balancer": 1}
     assert status["trainers"] == {"desired": 3, "replicas": 3, "ready": 3}
     assert status["selector"] == "hivekeeper.dev/swarm=digits,hivekeeper.dev/component=trainer"
     assert {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]} == {
@@ -420,7 +428,7 @@ def test_operator_serves_metrics_and_probes(cluster, client, start_operator):
     body = wait_for(lambda: (b := get("/metrics")[1]) and 'hivekeeper_operator_reconciles_total{kind="Swarm",result="success"}' in b and b,
                     what="reconcile metrics")
     assert "hivekeeper_operator_reconcile_duration_seconds_bucket" in body
-    assert 'hivekeeper_operator_child_writes_total{action="create",child_kind="StatefulSet",kind="Swarm"} 3.0' in body
+    assert 'hivekeeper_operator_child_writes_total{action="create",child_kind="StatefulSet",kind="Swarm"} 4.0' in body
     assert json.loads(get("/status")[1])["kinds"] == ["Swarm"]
 
 

@@ -43,7 +43,7 @@ def plan_for(path: Path, **kwargs):
     manifest = load_manifest(path)
     peers = [PEER] * manifest.spec.backbone.replicas
     keys = {f"backbone-{i}.key": "a2V5" for i in range(manifest.spec.backbone.replicas)}
-    return manifest, plan_swarm(owner(manifest.metadata.name), manifest, peers, keys, SETTINGS, **kwargs)
+    return manifest, plan_swarm(owner(manifest.metadata.name), manifest, peers, keys, SETTINGS, balancer_id=PEER, **kwargs)
 
 
 EXAMPLE_PATHS = sorted(EXAMPLES.glob("*.yaml"))
@@ -70,7 +70,7 @@ def test_planned_children_are_valid_kubernetes_objects(path):
     long_name = load_manifest(path)
     long_name.metadata.name = "x" * 40
     for child in plan_swarm(owner(long_name.metadata.name), long_name, [PEER] * long_name.spec.backbone.replicas,
-                            {}, SETTINGS).children:
+                            {}, SETTINGS, balancer_id=PEER).children:
         if child["kind"] == "StatefulSet":
             assert len(child["metadata"]["name"]) <= 52  # room for "-<controller-revision-hash>"
         kubernetes_validate.validate(child, "1.33.0", strict=True)
@@ -84,6 +84,7 @@ def test_every_pod_command_is_one_the_cli_accepts(path):
     expected |= {f"trainer-{i}" for i in range(manifest.spec.trainers.replicas)}
     expected |= {f"auxiliary-{i}" for i in range(manifest.spec.auxiliary.replicas)}
     expected |= {"monitor-0"} if manifest.spec.monitor.enabled else set()
+    expected |= {"balancer-0"} if manifest.spec.balancer.enabled else set()
     assert set(roles) == expected
     environ = {"POD_IP": "10.1.2.3"}
     for name, role in roles.items():
@@ -119,15 +120,15 @@ def test_scaling_changes_no_pod_template_and_completion_stops_every_peer():
     templates = {c["metadata"]["name"]: c["spec"]["template"] for c in plan.children if c["kind"] == "StatefulSet"}
     manifest.spec.trainers.replicas = 7
     manifest.spec.auxiliary.replicas = 0
-    scaled = plan_swarm(owner("digits"), manifest, [PEER], {}, SETTINGS)
+    scaled = plan_swarm(owner("digits"), manifest, [PEER], {}, SETTINGS, balancer_id=PEER)
     assert {c["metadata"]["name"]: c["spec"]["template"] for c in scaled.children if c["kind"] == "StatefulSet"} == templates
     assert scaled.hashes == plan.hashes
     manifest.spec.optimizer.learning_rate = 0.01
-    changed = plan_swarm(owner("digits"), manifest, [PEER], {}, SETTINGS)
+    changed = plan_swarm(owner("digits"), manifest, [PEER], {}, SETTINGS, balancer_id=PEER)
     assert all(changed.hashes[c] != plan.hashes[c] for c in plan.hashes)
-    done = plan_swarm(owner("digits"), manifest, [PEER], {}, SETTINGS, completed=True)
+    done = plan_swarm(owner("digits"), manifest, [PEER], {}, SETTINGS, balancer_id=PEER, completed=True)
     assert {c["metadata"]["name"]: c["spec"]["replicas"] for c in done.children if c["kind"] == "StatefulSet"} == {
-        "digits-backbone": 0, "digits-trainer": 0, "digits-auxiliary": 0}
+        "digits-backbone": 0, "digits-trainer": 0, "digits-auxiliary": 0, "digits-balancer": 0}
     job = next(c for c in done.children if c["kind"] == "Job")
     assert job["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH] == changed.hashes["monitor"]
 
@@ -135,7 +136,7 @@ def test_scaling_changes_no_pod_template_and_completion_stops_every_peer():
 def test_gpu_trainers_request_and_limit_gpus():
     manifest = load_manifest(EXAMPLES / "swarm-digits.yaml")
     manifest.spec.trainers.resources.gpu = 2
-    plan = plan_swarm(owner("digits"), manifest, [PEER], {}, SETTINGS)
+    plan = plan_swarm(owner("digits"), manifest, [PEER], {}, SETTINGS, balancer_id=PEER)
     sts = next(c for c in plan.children if c["metadata"]["name"] == "digits-trainer" and c["kind"] == "StatefulSet")
     resources = sts["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert resources["limits"] == {"nvidia.com/gpu": 2} and resources["requests"]["nvidia.com/gpu"] == 2

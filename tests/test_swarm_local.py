@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_manifest
+from conftest import wait_for, write_manifest
 from hivekeeper.tasks import load_task
 
 SMALL = {"spec": {
@@ -30,16 +30,6 @@ SMALL = {"spec": {
 def start_up(manifest: Path, run_dir: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "hivekeeper", "up", str(manifest), "--run-dir", str(run_dir),
                              "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def http_get(port: int, path: str) -> str | None:
@@ -111,6 +101,19 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
         assert http_get(trainer_port, "/readyz") == "ready\n" and http_get(trainer_port, "/healthz") == "ok\n"
         backbone = http_get(ports(run_dir)["backbone-0"], "/metrics")
         assert metric(backbone, "hivekeeper_peers_alive", '{role="trainer"}') >= 1
+        # The balancer measured every averaging peer and published a plan the trainers follow.
+        assert metric(text, "hivekeeper_upload_bytes_per_second") > 0  # the probe at join, then rounds
+        balancer = wait_for(lambda: (t := http_get(ports(run_dir)["balancer-0"], "/metrics"))
+                            and 'hivekeeper_plan_aggregation_share{peer="auxiliary-0"}' in t and t, 60, "a plan")
+        assert metric(balancer, "hivekeeper_plan_steps_per_second") > 0
+        shares = [metric(balancer, "hivekeeper_plan_aggregation_share", f'{{peer="{name}"}}')
+                  for name in ("trainer-0", "trainer-1", "auxiliary-0")]
+        assert sum(shares) == pytest.approx(1.0)
+        assert wait_for(lambda: (json.loads(http_get(trainer_port, "/status") or "{}").get("plannedRounds") or 0) >= 1,
+                        60, "a round on the plan's shares")
+        monitor_status = json.loads(http_get(ports(run_dir)["monitor-0"], "/status"))
+        assert monitor_status["plan"]["stepsPerSecond"] > 0
+        assert {p["name"] for p in monitor_status["plan"]["peers"]} == {"trainer-0", "trainer-1", "auxiliary-0"}
 
         victim = [pid for pid in processes_of(run_dir)
                   if b"trainer\0" in Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -14,8 +14,15 @@ def test_roles_follow_the_spec(tmp_path):
                                                                 "auxiliary": {"replicas": 1}}}))
     _, roles = prepare_run(manifest, tmp_path / "run")
     names = [r.name for r in roles]
-    assert names == ["backbone-0", "backbone-1", "trainer-0", "trainer-1", "trainer-2", "auxiliary-0", "monitor-0"]
+    assert names == ["backbone-0", "backbone-1", "trainer-0", "trainer-1", "trainer-2", "auxiliary-0", "monitor-0",
+                     "balancer-0"]
     assert [r.name for r in roles if r.completes_run] == ["monitor-0"]
+    # the balancer signs the averaging plan with a stable key; peers are told whose signature to trust
+    balancer = roles[-1]
+    assert "--identity" in balancer.args
+    signers = {r.args[r.args.index("--plan-signer") + 1] for r in roles if "--plan-signer" in r.args}
+    assert len(signers) == 1 and {r.component for r in roles if "--plan-signer" in r.args} == {
+        "trainer", "auxiliary", "monitor"}
 
     metrics_ports = [r.ports["metrics"] for r in roles]
     assert len(set(metrics_ports)) == len(roles)

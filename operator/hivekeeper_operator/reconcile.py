@@ -125,10 +125,11 @@ class SwarmReconciler(Reconciler):
             return "Invalid"
         spec = manifest.spec
 
-        # Peer keys first: everyone's arguments name the backbone's peer IDs.
+        # Peer keys first: everyone's arguments name the backbone's and the balancer's peer IDs.
         secret = self.kube.get("v1", "Secret", namespace, swarm.keys_secret_name(name))
         existing = (secret or {}).get("data") if _managed(secret) else None
-        keys_data, peer_ids = identity.ensure_keys(existing, spec.backbone.replicas, self.config.key_generator)
+        keys_data, peer_ids, balancer_id = identity.ensure_keys(existing, spec.backbone.replicas,
+                                                                self.config.key_generator, spec.balancer.enabled)
         if secret is None or keys_data != existing:
             # Store new keys before anything names them; if another writer (an operator instance
             # that is shutting down) stored different ones first, theirs win.
@@ -139,8 +140,8 @@ class SwarmReconciler(Reconciler):
                 error = str(e)
             else:
                 error = None
-                keys_data, peer_ids = identity.ensure_keys(live.get("data"), spec.backbone.replicas,
-                                                           self.config.key_generator)
+                keys_data, peer_ids, balancer_id = identity.ensure_keys(
+                    live.get("data"), spec.backbone.replicas, self.config.key_generator, spec.balancer.enabled)
             if error:
                 status = swarm.swarm_status(generation=generation, previous=obj.get("status"), now=now, plan=None,
                                             observed=None, invalid=error, invalid_reason="NameConflict",
@@ -151,10 +152,10 @@ class SwarmReconciler(Reconciler):
         service_monitor = self.config.service_monitors == "auto" and self.kube.serves(
             "monitoring.coreos.com/v1", "servicemonitors")
         job = self.kube.get("batch/v1", "Job", namespace, swarm.child_name(name, "monitor")) if spec.monitor.enabled else None
-        plan = swarm.plan_swarm(obj, manifest, peer_ids, keys_data, settings, service_monitor=service_monitor)
+        plan = swarm.plan_swarm(obj, manifest, peer_ids, keys_data, settings, balancer_id=balancer_id, service_monitor=service_monitor)
         completed = spec.monitor.enabled and swarm.run_completed(job, plan.hashes["monitor"])
         if completed:
-            plan = swarm.plan_swarm(obj, manifest, peer_ids, keys_data, settings, completed=True,
+            plan = swarm.plan_swarm(obj, manifest, peer_ids, keys_data, settings, balancer_id=balancer_id, completed=True,
                                     service_monitor=service_monitor)
 
         observed = swarm.Observed(workloads={})

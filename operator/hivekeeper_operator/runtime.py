@@ -58,6 +58,7 @@ class Operator:
         self.resynced = threading.Event()
         self.endpoint: OperatorEndpoint | None = None
         self.last_resync: float | None = None
+        self._phases_exported: dict[str, set[str]] = {}  # kind -> phases it has a resources series for
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -144,7 +145,9 @@ class Operator:
                     phase = "Error"
                 if phase:
                     phases[phase] = phases.get(phase, 0) + 1
-            self.metrics.resources.clear()
+            for phase in self._phases_exported.get(kind, set()) - phases.keys():
+                self.metrics.resources.labels(kind, phase).set(0)  # none of this kind is in it any more
+            self._phases_exported[kind] = self._phases_exported.get(kind, set()) | phases.keys()
             for phase, count in phases.items():
                 self.metrics.resources.labels(kind, phase).set(count)
         self.last_resync = time.time()

@@ -2,11 +2,12 @@
 status out. Nothing here talks to the API; `reconcile.py` does, through these.
 
 Children of a Swarm NAME (all owned by it, all labelled hivekeeper.dev/swarm=NAME):
-  NAME-backbone-keys  Secret       backbone peer keys (generated once, so peer IDs are stable)
+  NAME-backbone-keys  Secret       backbone and balancer keys (generated once, so peer IDs are stable)
   NAME-config         ConfigMap    the rendered manifest and every role's `hivekeeper run` args
   NAME-backbone       StatefulSet  + headless Service: stable DNS NAME-backbone-I.NAME-backbone.NS.svc
   NAME-trainer        StatefulSet  + headless Service (each trainer's ordinal is its --index)
   NAME-auxiliary      StatefulSet  + headless Service
+  NAME-balancer       StatefulSet  + headless Service: one pod; its key signs the averaging plan
   NAME-monitor        Job          + headless Service: the monitor's successful exit ends the run,
                                    as with `hivekeeper up` (a Deployment would restart it forever)
   NAME-backbone       PodDisruptionBudget (minAvailable: 1)
@@ -44,9 +45,11 @@ from hivekeeper_operator.network import (
 
 KIND = "Swarm"
 API = f"{API_GROUP}/{API_VERSION}"
-COMPONENTS = ("backbone", "trainer", "auxiliary", "monitor")
-STATEFUL = ("backbone", "trainer", "auxiliary")
-STATUS_KEY = {"backbone": "backbone", "trainer": "trainers", "auxiliary": "auxiliary", "monitor": "monitor"}
+COMPONENTS = ("backbone", "trainer", "auxiliary", "monitor", "balancer")
+STATEFUL = ("backbone", "trainer", "auxiliary", "balancer")
+WITH_KEYS = ("backbone", "balancer")
+STATUS_KEY = {"backbone": "backbone", "trainer": "trainers", "auxiliary": "auxiliary", "monitor": "monitor",
+              "balancer": "balancer"}
 CONFIG_HASH = "hivekeeper.dev/config-hash"
 LABEL_SWARM = "hivekeeper.dev/swarm"
 LABEL_COMPONENT = "hivekeeper.dev/component"
@@ -138,19 +141,22 @@ def rendered_manifest(manifest: Manifest) -> dict[str, Any]:
     }
 
 
-def render_roles(manifest: Manifest, peer_ids: list[str], settings: WorkloadSettings) -> list[Role]:
+def render_roles(manifest: Manifest, peer_ids: list[str], settings: WorkloadSettings,
+                 balancer_id: str | None = None) -> list[Role]:
     network = KubernetesNetwork(manifest.metadata.name, manifest.metadata.namespace, settings.cluster_domain)
-    return swarm_roles(manifest, network, peer_ids, f"{CONFIG_DIR}/manifest.json", RUN_DIR)
+    return swarm_roles(manifest, network, peer_ids, f"{CONFIG_DIR}/manifest.json", RUN_DIR,
+                       balancer_peer_id=balancer_id)
 
 
-def config_hashes(manifest: Manifest, settings: WorkloadSettings, peer_ids: list[str]) -> dict[str, str]:
+def config_hashes(manifest: Manifest, settings: WorkloadSettings, peer_ids: list[str],
+                  balancer_id: str | None = None) -> dict[str, str]:
     """Per component: a hash of what its pods read at start. Replica counts and resources are
     left out (the pod template states those itself), so scaling rolls nothing, not even from
     or to zero (the arguments hashed are those of index 0, whatever the count)."""
     sample = manifest.model_copy(deep=True)
     sample.spec.trainers.replicas = max(1, sample.spec.trainers.replicas)
     sample.spec.auxiliary.replicas = max(1, sample.spec.auxiliary.replicas)
-    roles = render_roles(sample, peer_ids, settings)
+    roles = render_roles(sample, peer_ids, settings, balancer_id)
     spec = rendered_manifest(manifest)["spec"]
     for section in ("trainers", "auxiliary"):
         spec.get(section, {}).pop("replicas", None)
@@ -165,9 +171,10 @@ def config_hashes(manifest: Manifest, settings: WorkloadSettings, peer_ids: list
 
 def desired_replicas(spec: SwarmSpec, completed: bool) -> dict[str, int]:
     if completed:  # as `hivekeeper up` does: the run is over, stop the peers (GPUs go free)
-        return {"backbone": 0, "trainer": 0, "auxiliary": 0, "monitor": 0}
+        return {"backbone": 0, "trainer": 0, "auxiliary": 0, "monitor": 0, "balancer": 0}
     return {"backbone": spec.backbone.replicas, "trainer": spec.trainers.replicas,
-            "auxiliary": spec.auxiliary.replicas, "monitor": 1 if spec.monitor.enabled else 0}
+            "auxiliary": spec.auxiliary.replicas, "monitor": 1 if spec.monitor.enabled else 0,
+            "balancer": 1 if spec.balancer.enabled else 0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,12 +193,12 @@ class SwarmPlan:
 
 
 def plan_swarm(owner: dict[str, Any], manifest: Manifest, peer_ids: list[str], keys_data: dict[str, str],
-               settings: WorkloadSettings, *, completed: bool = False,
+               settings: WorkloadSettings, *, balancer_id: str | None = None, completed: bool = False,
                service_monitor: bool = False) -> SwarmPlan:
     spec: SwarmSpec = manifest.spec
     name, namespace = manifest.metadata.name, manifest.metadata.namespace
-    roles = render_roles(manifest, peer_ids, settings)
-    hashes = config_hashes(manifest, settings, peer_ids)
+    roles = render_roles(manifest, peer_ids, settings, balancer_id)
+    hashes = config_hashes(manifest, settings, peer_ids, balancer_id)
     replicas = desired_replicas(spec, completed)
     owner_ref = owner_reference(owner)
 
@@ -208,17 +215,21 @@ def plan_swarm(owner: dict[str, Any], manifest: Manifest, peer_ids: list[str], k
                                       indent=2, sort_keys=True),
          }},
     ]
-    components = [c for c in COMPONENTS if c != "monitor" or spec.monitor.enabled]
+    components = [c for c in COMPONENTS if (c != "monitor" or spec.monitor.enabled)
+                  and (c != "balancer" or spec.balancer.enabled)]
     for component in components:
         children.append(_service(meta(child_name(name, component), component, {LABEL_METRICS: "true"}),
                                  name, component))
     resources = {"backbone": _role_resources(roles, "backbone", Resources(cpu="250m", memory="512Mi")),
                  "trainer": spec.trainers.resources, "auxiliary": spec.auxiliary.resources,
-                 "monitor": _role_resources(roles, "monitor", Resources(cpu="500m", memory="1Gi"))}
+                 "monitor": _role_resources(roles, "monitor", Resources(cpu="500m", memory="1Gi")),
+                 "balancer": _role_resources(roles, "balancer", Resources(cpu="500m", memory="1Gi"))}
     grace = int(spec.averaging.timeout_seconds + spec.averaging.matchmaking_seconds + 30)
     for component in STATEFUL:
+        if component == "balancer" and not spec.balancer.enabled:
+            continue
         template = _pod_template(name, component, resources[component], hashes[component], settings, grace,
-                                 keys=component == "backbone")
+                                 keys=component in WITH_KEYS)
         children.append({
             "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta(child_name(name, component), component),
             "spec": {
@@ -485,7 +496,8 @@ def swarm_status(*, generation: int | None, previous: dict[str, Any] | None, now
 
 def _monitor_figures(reading: dict[str, Any] | None, previous: dict[str, Any], now: str) -> dict[str, Any]:
     """Live figures from the monitor's /status; the last reading stays while it does not answer."""
-    keys = ("globalStep", "samplesPerSecond", "loss", "evalMetrics", "peersAlive")
+    keys = ("globalStep", "samplesPerSecond", "stepsPerSecond", "plannedStepsPerSecond", "loss", "evalMetrics",
+            "peersAlive")
     if not reading:
         return {k: previous[k] for k in keys + ("lastMonitorUpdate",) if k in previous}
     figures: dict[str, Any] = {}
@@ -493,6 +505,11 @@ def _monitor_figures(reading: dict[str, Any] | None, previous: dict[str, Any], n
         figures["globalStep"] = max(0, reading["globalStep"])
     if isinstance(reading.get("samplesPerSecond"), (int, float)):
         figures["samplesPerSecond"] = round(max(0.0, float(reading["samplesPerSecond"])), 1)
+    if isinstance(reading.get("stepsPerSecond"), (int, float)):
+        figures["stepsPerSecond"] = round(max(0.0, float(reading["stepsPerSecond"])), 4)
+    planned = (reading.get("plan") or {}).get("stepsPerSecond") if isinstance(reading.get("plan"), dict) else None
+    if isinstance(planned, (int, float)):
+        figures["plannedStepsPerSecond"] = round(max(0.0, float(planned)), 4)
     if isinstance(reading.get("loss"), (int, float)):
         figures["loss"] = round(float(reading["loss"]), 6)
     if isinstance(reading.get("evalMetrics"), dict):

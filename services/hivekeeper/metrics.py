@@ -19,7 +19,8 @@ class SwarmMetrics:
         self.peer_info = Info("hivekeeper_peer", "Identity of this process in the swarm", registry=r)
         self.samples = Counter("hivekeeper_samples", "Training samples processed by this peer", registry=r)
         self.samples_per_second = Gauge(
-            "hivekeeper_samples_per_second", "This peer's recent training throughput", registry=r
+            "hivekeeper_samples_per_second",
+            "This peer's recent training throughput (kept while the plan makes it an aggregator)", registry=r
         )
         self.collaboration_samples_per_second = Gauge(
             "hivekeeper_collaboration_samples_per_second",
@@ -49,6 +50,42 @@ class SwarmMetrics:
         self.averaging_received_bytes = Counter(
             "hivekeeper_averaging_received_bytes", "Bytes of tensor parts this peer received in averaging", registry=r
         )
+        # inputs of the averaging plan: a short probe at join, then the rates achieved in averaging
+        self.upload_bytes_per_second = Gauge(
+            "hivekeeper_upload_bytes_per_second",
+            "This peer's measured upload rate (bandwidth probe at join, then averaging transfers)",
+            registry=r,
+        )
+        self.download_bytes_per_second = Gauge(
+            "hivekeeper_download_bytes_per_second",
+            "This peer's measured download rate (bandwidth probe at join, then averaging transfers)",
+            registry=r,
+        )
+        # the averaging plan (balancer)
+        self.plans = Counter("hivekeeper_plans", "Averaging plans the balancer solved", registry=r)
+        self.plan_input_errors = Counter(
+            "hivekeeper_plan_input_errors", "Times the balancer could not read its inputs (Prometheus down)", registry=r)
+        self.plan_steps_per_second = Gauge(
+            "hivekeeper_plan_steps_per_second", "Optimizer steps/s the current averaging plan predicts", registry=r)
+        self.plan_compute_bound = Gauge(
+            "hivekeeper_plan_compute_bound_steps_per_second",
+            "Steps/s the plan's computing peers' samples allow", registry=r)
+        self.plan_aggregation_bound = Gauge(
+            "hivekeeper_plan_aggregation_bound_steps_per_second",
+            "Gradient vectors/s the plan's aggregators can average", registry=r)
+        self.plan_averaging_seconds = Gauge(
+            "hivekeeper_plan_averaging_seconds", "Time to average one gradient vector under the plan", registry=r)
+        self.plan_solve_seconds = Gauge(
+            "hivekeeper_plan_solve_seconds", "Time the latest plan took to solve", registry=r)
+        self.plan_updated = Gauge(
+            "hivekeeper_plan_last_update_timestamp_seconds",
+            "When the balancer last published the plan (renewals included)", registry=r)
+        self.plan_share = Gauge(
+            "hivekeeper_plan_aggregation_share", "Share of the gradient vector each peer aggregates under the plan",
+            ["peer"], registry=r)
+        self.plan_computes_gradients = Gauge(
+            "hivekeeper_plan_computes_gradients", "1 if the plan has the peer compute gradients, 0 if it only aggregates",
+            ["peer"], registry=r)
         self.peers_alive = Gauge(
             "hivekeeper_peers_alive", "Peers of the collaboration seen alive in the DHT, by role", ["role"], registry=r
         )

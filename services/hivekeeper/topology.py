@@ -12,6 +12,7 @@ from hivekeeper.spec.swarm import Resources, SwarmSpec
 
 METRICS = "metrics"
 P2P = "p2p"
+PLAN_FOLLOWERS = ("trainer", "auxiliary", "monitor")  # the monitor only shows the plan
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class Role:
     """One process (locally) or one pod (in Kubernetes)."""
 
     name: str  # unique within the resource, e.g. "trainer-1"
-    component: str  # backbone | trainer | auxiliary | monitor
+    component: str  # backbone | trainer | auxiliary | monitor | balancer
     index: int
     args: tuple[str, ...]  # after `hivekeeper run`
     ports: dict[str, int] = field(default_factory=dict)
@@ -45,9 +46,12 @@ class Network(Protocol):
 
 
 def swarm_roles(manifest: Manifest, network: Network, backbone_peer_ids: list[str], manifest_path: str,
-                run_dir: str) -> list[Role]:
+                run_dir: str, balancer_peer_id: str | None = None) -> list[Role]:
+    """Every process of a Swarm. The balancer's peer ID (its key is made before it starts, like
+    the backbone's) tells the averaging peers and the monitor whose signed plan to follow."""
     spec: SwarmSpec = manifest.spec
     assert len(backbone_peer_ids) == spec.backbone.replicas, "one identity per backbone peer"
+    assert (balancer_peer_id is not None) == spec.balancer.enabled, "a balancer identity iff the balancer runs"
     backbone_ports = [network.port(f"backbone-{i}", P2P) for i in range(spec.backbone.replicas)]
     initial_peers = [
         network.backbone_maddr(i, port, peer_id) for i, (port, peer_id) in enumerate(zip(backbone_ports, backbone_peer_ids))
@@ -64,6 +68,8 @@ def swarm_roles(manifest: Manifest, network: Network, backbone_peer_ids: list[st
             args += ["--announce-host", announce]
         if identity:
             args += ["--identity", network.identity_path(name)]
+        if balancer_peer_id and component in PLAN_FOLLOWERS:
+            args += ["--plan-signer", balancer_peer_id]
         peers = [maddr for i, maddr in enumerate(initial_peers) if not (component == "backbone" and i == index)]
         if peers:
             args += ["--initial-peers", *peers]
@@ -76,4 +82,6 @@ def swarm_roles(manifest: Manifest, network: Network, backbone_peer_ids: list[st
     roles += [role("auxiliary", i, spec.auxiliary.resources) for i in range(spec.auxiliary.replicas)]
     if spec.monitor.enabled:
         roles.append(role("monitor", 0, Resources(cpu="500m", memory="1Gi"), completes_run=True))
+    if spec.balancer.enabled:
+        roles.append(role("balancer", 0, Resources(cpu="500m", memory="1Gi"), identity=True))
     return roles

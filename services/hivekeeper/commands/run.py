@@ -13,6 +13,7 @@ ROLES = {
     "trainer": "hivekeeper.swarm.trainer",
     "auxiliary": "hivekeeper.swarm.auxiliary",
     "monitor": "hivekeeper.swarm.monitor",
+    "balancer": "hivekeeper.swarm.balancer",
 }
 
 

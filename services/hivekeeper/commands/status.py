@@ -26,7 +26,7 @@ def _newest_run() -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hivekeeper.local.progress import describe_round, fetch_status
+    from hivekeeper.local.progress import describe_plan, describe_round, fetch_status
 
     run_dir = Path(args.run_dir) if args.run_dir else _newest_run()
     summary_path = run_dir / "summary.json"
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         evals = ", ".join(f"{k} {v:.4f}" for k, v in (status.get("evalMetrics") or {}).items())
         print(f"step {status['globalStep']}  loss {status.get('loss')}  {status.get('samplesPerSecond', 0):.0f} "
               f"samples/s  peers {status.get('peersAlive')}  last round: {describe_round(status.get('lastRound'))}  "
-              f"held-out: {evals or '-'}")
+              f"held-out: {evals or '-'}  plan: {describe_plan(status.get('plan'), status.get('stepsPerSecond'))}")
         if not args.watch:
             return 0
         time.sleep(1.0)

@@ -37,6 +37,20 @@ def describe_round(last_round: Optional[dict[str, Any]]) -> str:
     return f"{last_round['outcome']} ({last_round['groupSize']} peers, {last_round['seconds']:.2f}s, {ago:.0f}s ago)"
 
 
+def describe_plan(plan: Optional[dict[str, Any]], achieved: Optional[float]) -> str:
+    """The balancer's plan in one line: predicted vs achieved steps/s, its bound, the roles."""
+    if not plan:
+        return "-"
+    unbounded = not plan["aggregationBound"]  # nothing to exchange: a lone trainer
+    bound = "compute" if unbounded or plan["computeBound"] <= plan["aggregationBound"] else "aggregation"
+    aggregators = [p for p in plan["peers"] if p["share"] > 0]
+    only = [p["name"] for p in plan["peers"] if not p["computesGradients"]]
+    text = (f"{plan['stepsPerSecond']:.3f} steps/s predicted ({bound}-bound), achieved {_fmt(achieved, '.3f')}; "
+            f"{len(aggregators)} aggregators, shares "
+            + " ".join(f"{p['name']}={p['share']:.2f}" for p in aggregators))
+    return text + (f"; aggregate only: {', '.join(only)}" if only else "")
+
+
 class ProgressView:
     def __init__(self, name: str, supervisor: Supervisor, target_steps: Optional[int], console: Console | None = None):
         self.name = name
@@ -75,6 +89,7 @@ class ProgressView:
             f"[{elapsed:5.0f}s] step {status['globalStep']}{self._of_target()}  loss {_fmt(status.get('loss'), '.4f')}  "
             f"{status.get('samplesPerSecond', 0):.0f} samples/s  peers {sum(peers.values())}  "
             f"eval@{status.get('evalStep')} {evals or '-'}  restarts {self.supervisor.restarts}"
+            + (f"  plan {status['plan']['stepsPerSecond']:.3f} steps/s" if status.get("plan") else "")
         )
 
     def _of_target(self) -> str:
@@ -96,6 +111,7 @@ class ProgressView:
             summary.add_row("samples/s", f"{status.get('samplesPerSecond', 0):.0f} (whole collaboration)")
             summary.add_row("peers alive", ", ".join(f"{n} {r}" for r, n in sorted(status.get("peersAlive", {}).items())))
             summary.add_row("last averaging", describe_round(status.get("lastRound")))
+            summary.add_row("averaging plan", describe_plan(status.get("plan"), status.get("stepsPerSecond")))
             evals = ", ".join(f"{k} {v:.4f}" for k, v in (status.get("evalMetrics") or {}).items())
             summary.add_row("held-out", f"{evals or '-'} (step {status.get('evalStep')})")
         else:

@@ -24,7 +24,7 @@ POLL_SECONDS = 0.5
 
 
 def prepare_run(manifest: Manifest, run_dir: Path) -> tuple[Path, list]:
-    """Write the rendered manifest and backbone keys, and lay out every role."""
+    """Write the rendered manifest and the backbone's and balancer's keys, and lay out every role."""
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = run_dir / "manifest.json"
     manifest_path.write_text(json.dumps(manifest.model_dump(by_alias=True, mode="json", exclude_none=True), indent=2))
@@ -32,7 +32,9 @@ def prepare_run(manifest: Manifest, run_dir: Path) -> tuple[Path, list]:
     peer_ids = [
         ensure_identity(Path(network.identity_path(f"backbone-{i}"))) for i in range(manifest.spec.backbone.replicas)
     ]
-    roles = swarm_roles(manifest, network, peer_ids, str(manifest_path.resolve()), str(run_dir.resolve()))
+    balancer_id = ensure_identity(Path(network.identity_path("balancer-0"))) if manifest.spec.balancer.enabled else None
+    roles = swarm_roles(manifest, network, peer_ids, str(manifest_path.resolve()), str(run_dir.resolve()),
+                        balancer_peer_id=balancer_id)
     (run_dir / "ports.json").write_text(json.dumps({role.name: role.ports[METRICS] for role in roles}, indent=2))
     return manifest_path, roles
 
@@ -76,7 +78,9 @@ def build_summary(manifest: Manifest, run_dir: Path, supervisor: Supervisor, sta
                   interrupted: bool) -> dict[str, Any]:
     result_path = run_dir / "result.json"
     result = json.loads(result_path.read_text()) if completed and result_path.exists() else {}
-    rates = [entry["samplesPerSecond"] for entry in _history(run_dir) if entry.get("samplesPerSecond")]
+    history = _history(run_dir)
+    rates = [entry["samplesPerSecond"] for entry in history if entry.get("samplesPerSecond")]
+    plan = next((entry["plan"] for entry in reversed(history) if entry.get("plan")), None)
     return {
         "name": manifest.metadata.name,
         "kind": manifest.kind,
@@ -88,6 +92,7 @@ def build_summary(manifest: Manifest, run_dir: Path, supervisor: Supervisor, sta
         "metrics": result.get("metrics", {}),
         "samplesPerSecond": round(statistics.median(rates), 1) if rates else None,
         "checkpoint": result.get("checkpoint"),
+        "plan": plan,  # the balancer's last averaging plan, as the monitor saw it
         "losses": result.get("losses", {}),
         "processes": {
             child.role.name: {

@@ -72,6 +72,7 @@ __all__ = [
     "relaxation_lp",
     "solve_lp",
     "solve_relaxation",
+    "throughput_of",
 ]
 
 EXACT_MAX_PEERS = 16  # exact MILP: ~20 ms at 16 peers, ~50 ms at 32, ~110 ms at 64 (bench)
@@ -575,18 +576,30 @@ def plan_for_roles(problem: AveragingProblem, computes: Mapping[str, bool]) -> A
 # --- baselines under the same bandwidths ---------------------------------------------
 
 
-def _fixed_shares(m: _Scaled, shares: np.ndarray) -> Throughput:
-    """Everyone computes; each peer's and link's traffic per vector is fixed by the
-    shares, and the tightest one sets the rate."""
-    n = m.n
-    per_peer = (1 - shares) + (n - 1) * shares
-    i, j = _pairs(n)
-    per_link = shares[j] + shares[i]  # i's part to j, and i's average back to j
+def _fixed_shares(m: _Scaled, shares: np.ndarray, roles: np.ndarray | None = None) -> Throughput:
+    """Each peer's and link's traffic per vector is fixed by the roles (default: everyone
+    computes) and the shares, and the tightest one sets the rate."""
+    c = np.ones(m.n) if roles is None else roles.astype(float)
+    per_peer = c * (1 - shares) + (c.sum() - c) * shares
+    i, j = _pairs(m.n)
+    per_link = c[i] * shares[j] + c[j] * shares[i]  # i's part to j, and j's average back to i
     load = np.concatenate([per_peer, per_link])
     limit = np.concatenate([m.capacity, m.links[i, j]])
-    with np.errstate(divide="ignore"):
-        rate = float(np.where(load > 0, limit / load, np.inf).min())
-    return Throughput(compute_bound=float(m.compute.sum()) * m.unit, aggregation_bound=rate * m.unit)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rate = float(np.where(load > 1e-12, limit / load, np.inf).min())
+    return Throughput(compute_bound=float(c @ m.compute) * m.unit, aggregation_bound=rate * m.unit)
+
+
+def throughput_of(problem: AveragingProblem, computes: Mapping[str, bool], shares: Mapping[str, float]) -> Throughput:
+    """What given roles and shares achieve under `problem`'s rates: how the plan peers follow
+    now fares under new measurements, to hold against a fresh plan. Peers left out of the
+    mappings neither compute nor aggregate."""
+    m = _scale(problem)
+    roles = np.array([bool(computes.get(name, False)) for name in m.names])
+    share = np.array([max(0.0, float(shares.get(name, 0.0))) for name in m.names]) * m.aggregates
+    if not roles.any() or share.sum() <= 0:
+        return Throughput(compute_bound=float(roles @ m.compute) * m.unit, aggregation_bound=0.0)
+    return _fixed_shares(m, share / share.sum(), roles)
 
 
 def all_reduce_baseline(problem: AveragingProblem) -> Throughput:

@@ -67,11 +67,15 @@ class SwarmStatus(SpecModel):
     trainers: Optional[RoleStatus] = None
     auxiliary: Optional[RoleStatus] = None
     monitor: Optional[RoleStatus] = None
+    balancer: Optional[RoleStatus] = None
     selector: Optional[str] = Field(None, description="label selector of the trainer pods (scale subresource)")
     initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of the backbone peers")
     peers_alive: dict[str, int] = Field(default_factory=dict, description="peers reporting in the DHT, by role")
     global_step: Optional[int] = Field(None, ge=0, description="the collaboration's optimizer step (monitor)")
     samples_per_second: Optional[float] = Field(None, ge=0, description="collaboration throughput (monitor)")
+    steps_per_second: Optional[float] = Field(None, ge=0, description="optimizer steps/s over the last minute (monitor)")
+    planned_steps_per_second: Optional[float] = Field(
+        None, ge=0, description="steps/s the balancer's current averaging plan predicts")
     loss: Optional[float] = None
     eval_metrics: dict[str, float] = Field(default_factory=dict, description="latest held-out metrics")
     last_monitor_update: Optional[str] = Field(None, description="RFC 3339 time of the last monitor reading")
@@ -150,6 +154,8 @@ register_kind(KindInfo(
         PrinterColumn("Trainers", "integer", ".status.trainers.ready", "ready trainer pods", priority=1),
         PrinterColumn("Step", "integer", ".status.globalStep", "global optimizer step"),
         PrinterColumn("Samples/s", "number", ".status.samplesPerSecond", "collaboration throughput"),
+        PrinterColumn("Plan steps/s", "number", ".status.plannedStepsPerSecond",
+                      "steps/s the averaging plan predicts", priority=1),
         AGE,
     ),
     preserve_unknown=frozenset({"task.options"}),

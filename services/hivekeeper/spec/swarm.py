@@ -49,16 +49,38 @@ class BackboneSpec(SpecModel):
     replicas: int = Field(1, ge=1, description="DHT peers with stable identities that others bootstrap from")
 
 
+class BandwidthLimits(SpecModel):
+    """Caps on what the balancer assumes a peer can move, whatever it measures (a metered link,
+    a share of a NIC the peer must leave to others)."""
+
+    upload_mbps: Optional[float] = Field(None, gt=0, description="upload cap per peer, megabits/s")
+    download_mbps: Optional[float] = Field(None, gt=0, description="download cap per peer, megabits/s")
+
+
 class TrainerSpec(SpecModel):
     replicas: int = Field(2, ge=0)
     batch_size: int = Field(32, ge=1, description="local batch per forward/backward pass")
     resources: Resources = Field(default_factory=Resources)
     client_mode: StrictBool = Field(False, description="trainers cannot accept inbound connections")
+    bandwidth: BandwidthLimits = Field(default_factory=BandwidthLimits)
 
 
 class AuxiliarySpec(SpecModel):
     replicas: int = Field(0, ge=0, description="CPU-only peers that only help averaging")
     resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="1Gi"))
+    bandwidth: BandwidthLimits = Field(default_factory=BandwidthLimits)
+
+
+class BalancerSpec(SpecModel):
+    """The averaging planner (DeDLOC appendix B): measures every peer, solves for roles and
+    shares, and publishes a signed plan that peers follow from their next round."""
+
+    enabled: StrictBool = True
+    replan_seconds: float = Field(10.0, gt=0, description="how often inputs are read and checked for drift")
+    drift: float = Field(0.25, gt=0, description="relative change of any input that triggers a new plan")
+    plan_ttl_seconds: float = Field(60.0, gt=0, description="peers drop a plan not renewed within this time")
+    prometheus_url: Optional[str] = Field(
+        None, pattern=r"^https?://", description="read inputs from this Prometheus; default: scrape peers directly")
 
 
 class AveragingSpec(SpecModel):
@@ -105,6 +127,7 @@ class SwarmSpec(SpecModel):
     auxiliary: AuxiliarySpec = Field(default_factory=AuxiliarySpec)
     averaging: AveragingSpec = Field(default_factory=AveragingSpec)
     monitor: MonitorSpec = Field(default_factory=MonitorSpec)
+    balancer: BalancerSpec = Field(default_factory=BalancerSpec)
     stopping: StoppingSpec = Field(default_factory=lambda: StoppingSpec(target_steps=100))
 
     @model_validator(mode="after")

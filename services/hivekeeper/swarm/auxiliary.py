@@ -9,6 +9,7 @@ import time
 
 from hivekeeper.swarm.common import load_role_context, setup_logging
 from hivekeeper.swarm.optimizer import make_collaborative_optimizer
+from hivekeeper.swarm.plan_follower import PlanFollower
 from hivekeeper.tasks import load_task
 
 log = logging.getLogger("hivekeeper.auxiliary")
@@ -24,6 +25,8 @@ def run(args: argparse.Namespace) -> int:
     model = task.build_model()  # only for the shapes of the vector to average
     dht = ctx.make_dht()
     opt = make_collaborative_optimizer(spec, ctx.run_id, dht, model, ctx.metrics, auxiliary=True)
+    follower = PlanFollower(dht, ctx.run_id, args.plan_signer, opt.grad_averager, ctx.metrics)
+    follower.probe_bandwidth(args.initial_peers)
     ctx.endpoint.ready.set()
     log.info("auxiliary up", extra={"fields": {"peer_id": str(dht.peer_id)}})
     last_report = 0.0
@@ -36,7 +39,11 @@ def run(args: argparse.Namespace) -> int:
                 last_report = time.monotonic()
                 if ctx.stop_requested(dht) is not None:
                     break
-                report = dict(epoch=opt.local_epoch, lastRound=opt.last_round)
+                follower.observe_rounds()
+                follower.poll()  # an auxiliary never computes, whatever the plan says
+                report = dict(epoch=opt.local_epoch, lastRound=opt.last_round,
+                              plan=follower.plan.digest if follower.plan else None,
+                              plannedRounds=follower.planned_rounds)
                 ctx.status.update(report)
                 ctx.publish_report(dht, report)
             time.sleep(0.05)

@@ -1,5 +1,6 @@
 """Backbone role: a DHT peer with a stable identity (its key file) that every other peer
-bootstraps from. It trains nothing; it keeps the DHT reachable and counts who is alive."""
+bootstraps from. It trains nothing; it keeps the DHT reachable, counts who is alive, and answers the bandwidth
+probes of joining peers."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import argparse
 import logging
 from collections import Counter
 
+from hivekeeper.swarm.bandwidth import serve_probes
 from hivekeeper.swarm.common import load_role_context, read_peer_reports, setup_logging
 
 log = logging.getLogger("hivekeeper.backbone")
-ROLES = ("backbone", "trainer", "auxiliary", "monitor")
+ROLES = ("backbone", "trainer", "auxiliary", "monitor", "balancer")
 
 
 
@@ -19,6 +21,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = load_role_context("backbone", args)
     ctx.start_endpoint()
     dht = ctx.make_dht()
+    serve_probes(dht)  # joining peers measure their bandwidth against us
     log.info("backbone up", extra={"fields": {"peer_id": str(dht.peer_id),
                                               "maddrs": [str(a) for a in dht.get_visible_maddrs()]}})
     ctx.endpoint.ready.set()

@@ -34,6 +34,8 @@ def add_role_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of backbone peers")
     parser.add_argument("--identity", default=None, help="libp2p private key file (stable peer ID)")
     parser.add_argument("--run-dir", default=".", help="where logs, traces and checkpoints go")
+    parser.add_argument("--plan-signer", default=None,
+                        help="peer ID of the balancer whose signed averaging plan this peer follows")
 
 
 @dataclass
@@ -59,10 +61,20 @@ class RoleContext:
         return f"{self.role}-{self.args.index}"
 
     def start_endpoint(self) -> ServiceEndpoint:
+        # identity before the DHT is up (a peer stuck bootstrapping still belongs to its swarm);
+        # make_dht adds the peer ID and mode
+        self.metrics.peer_info.info({"swarm": self.run_id, "role": self.role, "peer": self.peer_name})
         self.endpoint = ServiceEndpoint(
             self.metrics.registry, self.args.host, self.args.metrics_port, status=lambda: dict(self.status)
         ).start()
         return self.endpoint
+
+    @property
+    def metrics_address(self) -> str | None:
+        """host:port where others scrape this role's /metrics."""
+        if self.endpoint is None:
+            return None
+        return f"{self.args.announce_host or self.args.host}:{self.endpoint.port}"
 
     def make_dht(self, client_mode: bool = False, attempts: int = 5):
         """Join the DHT, retrying while the bootstrap peers are unreachable (a backbone that is
@@ -98,7 +110,8 @@ class RoleContext:
             daemon=True,
         )
         self.metrics.peer_info.info(
-            {"swarm": self.run_id, "role": self.role, "peer": self.peer_name, "peer_id": str(dht.peer_id)}
+            {"swarm": self.run_id, "role": self.role, "peer": self.peer_name, "peer_id": str(dht.peer_id),
+             "client_mode": str(bool(client_mode)).lower()}
         )
         return dht
 
@@ -106,7 +119,8 @@ class RoleContext:
         """Tell the collaboration (and the monitor) what this peer is doing."""
         from hivemind.utils import get_dht_time
 
-        record = {"role": self.role, "name": self.peer_name, "time": time.time(), **report}
+        record = {"role": self.role, "name": self.peer_name, "time": time.time(), "peerId": str(dht.peer_id),
+                  "metrics": self.metrics_address, **report}
         dht.store(
             self.run_id + PEERS_KEY,
             subkey=str(dht.peer_id),

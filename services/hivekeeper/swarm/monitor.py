@@ -48,6 +48,7 @@ class Monitor:
         self.checkpoint_step = 0
         self.losses: dict[int, float] = {}
         self.history = open(self.run_dir / "history.jsonl", "a", buffering=1)
+        self.steps_seen: list[tuple[float, int]] = []  # (time, global step), the last minute
 
     def run(self) -> int:
         import hivemind
@@ -99,7 +100,7 @@ class Monitor:
         last_round = max(rounds, key=lambda r: r.get("time", 0), default=None)
         alive = Counter(r["role"] for r in reports)
         alive["monitor"] = max(alive.get("monitor", 0), 1)
-        samples_per_second = sum(r.get("samplesPerSecond") or 0.0 for r in trainers)
+        samples_per_second = sum(r.get("samplesPerSecond") or 0.0 for r in trainers if r.get("computesGradients", True))
         snapshot = {
             "time": time.time(),
             "elapsedSeconds": round(time.time() - self.started, 1),
@@ -113,18 +114,43 @@ class Monitor:
             "evalStep": self.eval_step,
             "evalMetrics": self.eval_metrics,
             "checkpointStep": self.checkpoint_step,
+            "stepsPerSecond": self.steps_per_second(global_step),
+            "plan": self.read_plan(),
         }
         metrics = self.ctx.metrics
         metrics.global_step.set(global_step)
         metrics.collaboration_samples_per_second.set(samples_per_second)
         if snapshot["loss"] is not None:
             metrics.loss.set(snapshot["loss"])
-        for role in ("backbone", "trainer", "auxiliary", "monitor"):
+        for role in ("backbone", "trainer", "auxiliary", "monitor", "balancer"):
             metrics.peers_alive.labels(role).set(alive.get(role, 0))
         self.ctx.status.clear()
         self.ctx.status.update(snapshot)
         self.history.write(json.dumps(snapshot) + "\n")
         return snapshot
+
+    def steps_per_second(self, global_step: int) -> float | None:
+        """Achieved optimizer steps/s over the last minute, to hold against the plan's prediction."""
+        now = time.time()
+        self.steps_seen = [(t, s) for t, s in self.steps_seen if t >= now - 60.0] + [(now, global_step)]
+        (t0, s0), (t1, s1) = self.steps_seen[0], self.steps_seen[-1]
+        return round((s1 - s0) / (t1 - t0), 4) if t1 - t0 >= 5.0 else None
+
+    def read_plan(self) -> dict[str, Any] | None:
+        """The balancer's current plan, as peers see it (verified), for people and the operator."""
+        from hivekeeper.swarm.plan_record import PlanRecordError, read_plan
+
+        signer = self.ctx.args.plan_signer
+        if not signer:
+            return None
+        try:
+            plan = read_plan(self.dht, swarm=self.ctx.run_id, signer=signer)
+        except PlanRecordError:
+            return None
+        return {"digest": plan.digest, "stepsPerSecond": plan.steps_per_second, "computeBound": plan.compute_bound,
+                "aggregationBound": plan.aggregation_bound, "averagingSeconds": plan.averaging_seconds,
+                "peers": [{"name": p.name, "computesGradients": p.computes_gradients, "share": round(p.share, 4)}
+                          for p in sorted(plan.peers, key=lambda p: p.name)]}
 
     def should_evaluate(self, global_step: int) -> bool:
         every = self.ctx.spec.monitor.eval_every_steps

@@ -92,6 +92,7 @@ def make_instrumented_classes():
             ctx = mp.get_context("fork")
             self.sent_bytes = ctx.Value("d", 0.0)
             self.received_bytes = ctx.Value("d", 0.0)
+            self.last_round_bytes = ctx.Value("d", 0.0)  # each way, in the latest round
             self.wire_bytes_per_element = wire_bytes_per_element
             super().__init__(*args, **kwargs)
 
@@ -113,6 +114,7 @@ def make_instrumented_classes():
                 self.sent_bytes.value += outbound
             with self.received_bytes.get_lock():
                 self.received_bytes.value += outbound  # all-reduce is symmetric: as much returns as goes out
+            self.last_round_bytes.value = outbound
 
     class InstrumentedOptimizer(hivemind.Optimizer):
         def __init__(self, *args: Any, metrics: SwarmMetrics, **kwargs: Any):
@@ -121,6 +123,29 @@ def make_instrumented_classes():
             self._bytes_seen = (0.0, 0.0)
             self.state_loads = 0
             super().__init__(*args, **kwargs)
+
+        def set_computes_gradients(self, computes: bool) -> None:
+            """Follow the averaging plan's c_i. A trainer told not to compute becomes an auxiliary
+            aggregator: it drops its accumulated gradients, sends nothing, aggregates its share,
+            and stops sharing its parameters, which go stale while it aggregates. Told to compute
+            again, it loads the current state from peers first."""
+            if computes != self.auxiliary:
+                return  # already in that role
+            from hivemind.averaging.averager import AveragingMode
+
+            if self.client_mode:
+                return  # hivemind's client-mode peers cannot be auxiliaries; they keep computing
+            if not computes:
+                self.grad_averager.reset_accumulated_grads_()
+                self.tracker.report_local_progress(self.local_epoch, 0)
+                self.state_averager.allow_state_sharing = False
+            self.auxiliary = not computes
+            mode = AveragingMode.AUX if self.auxiliary else AveragingMode.NODE
+            self.grad_averager.mode = self.state_averager.mode = mode
+            if computes:
+                self.load_state_from_peers()
+                self.state_averager.allow_state_sharing = True
+            log.info("plan role", extra={"fields": {"computes_gradients": computes}})
 
         def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
             return BatchBoundTracker(
@@ -196,6 +221,8 @@ def make_collaborative_optimizer(
 ):
     from functools import partial
 
+    from hivekeeper.swarm.planned_averaging import planned
+
     InstrumentedOptimizer, CountingGradientAverager = make_instrumented_classes()
     averaging = spec.averaging
     grad_compression = compression(averaging.compression)
@@ -217,7 +244,7 @@ def make_collaborative_optimizer(
         grad_compression=grad_compression,
         state_averaging_compression=grad_compression,
         grad_averager_factory=partial(
-            CountingGradientAverager, wire_bytes_per_element=WIRE_BYTES_PER_ELEMENT[averaging.compression]
+            planned(CountingGradientAverager), wire_bytes_per_element=WIRE_BYTES_PER_ELEMENT[averaging.compression]
         ),
         # hivemind advises a request timeout below the matchmaking time (rare deadlocks otherwise)
         averager_opts=dict(target_group_size=averaging_group_size(spec),

@@ -61,8 +61,9 @@ __all__ = ["PLAN_KEY", "PlannedAverager", "PlannedRound", "plan_digest", "planne
 log = logging.getLogger("hivekeeper.planned_averaging")
 
 PLAN_KEY = "hivekeeper.plan"  # marks a gathered entry: {PLAN_KEY: [digest, share], "gather": user data}
-_CLIENT = AveragingMode.CLIENT.value
-_ROUNDS, _PLANNED, _ELEMENTS, _STARTED, _FINISHED, _GROUP, _MISSING = range(7)  # fields of the shared report
+_CLIENT, _AUX = AveragingMode.CLIENT.value, AveragingMode.AUX.value
+# fields of the shared report
+_ROUNDS, _PLANNED, _ELEMENTS, _STARTED, _FINISHED, _GROUP, _MISSING, _PLANNED_ROUNDS = range(8)
 
 
 def plan_digest(shares: Mapping[str, float]) -> str:
@@ -106,6 +107,7 @@ class PlannedRound:
     # elements whose average never arrived (a groupmate failed mid-round): hivemind keeps this
     # peer's own values there, logs "received 99.x% results" and still reports success
     missing_elements: int = 0
+    planned_rounds: int = 0  # how many of `rounds` used a plan's shares
 
     @property
     def seconds(self) -> float:
@@ -126,7 +128,7 @@ class PlannedAverager(DecentralizedAverager):
     def __init__(self, *args: Any, **kwargs: Any):
         self._plan: Optional[tuple[dict[str, float], float, str]] = None  # shares, expiry (DHT time), digest
         # created before super().__init__, which may fork the child: the child writes, the parent reads
-        self._report = mp.get_context("fork").Array(ctypes.c_double, 7)
+        self._report = mp.get_context("fork").Array(ctypes.c_double, 8)
         super().__init__(*args, **kwargs)
 
     def set_plan(self, shares: Mapping[str, float], expires_at: float) -> None:
@@ -147,7 +149,7 @@ class PlannedAverager(DecentralizedAverager):
         return PlannedRound(rounds=int(report[_ROUNDS]), planned=bool(report[_PLANNED]),
                             aggregated_elements=int(report[_ELEMENTS]), started=report[_STARTED],
                             finished=report[_FINISHED], group_size=int(report[_GROUP]),
-                            missing_elements=int(report[_MISSING]))
+                            missing_elements=int(report[_MISSING]), planned_rounds=int(report[_PLANNED_ROUNDS]))
 
     def step(self, gather: Any = None, *args: Any, **kwargs: Any):
         """hivemind's step; the gathered data carries this peer's plan entry while the plan is valid."""
@@ -161,6 +163,11 @@ class PlannedAverager(DecentralizedAverager):
         """DecentralizedAverager's, with the fractions from the members' plan entries when they agree."""
         try:
             bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
+            if all(mode == _AUX for mode in mode_ids):
+                # Auxiliaries that met before any sender (two of them suffice for a group) would
+                # "average" nothing and move on, leaving the senders without aggregators: fail the
+                # group, so that they look again (hivemind retries until the step's deadline).
+                raise MatchmakingException("no member of the group sends data")
             entries, user_data = zip(*(_unwrap(self.serializer.loads(data)) for data in user_bytes))
             fractions = planned_fractions(entries, mode_ids, self.total_size, min_vector_size)
             if fractions is None:
@@ -180,7 +187,10 @@ class PlannedAverager(DecentralizedAverager):
                 report[_ELEMENTS], report[_GROUP] = self._aggregated_elements, len(group_info.peer_ids)
                 report[_MISSING] = self._missing_elements
                 report[_ROUNDS] += 1
+                report[_PLANNED_ROUNDS] += bool(planned_kwargs)
             return dict(zip(group_info.peer_ids, user_data))
+        except MatchmakingException:
+            raise
         except BaseException as e:
             if isinstance(e, Exception):
                 log.exception(e)

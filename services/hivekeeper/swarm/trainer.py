@@ -16,12 +16,12 @@ import torch
 
 from hivekeeper.swarm.common import RoleContext, load_role_context, setup_logging
 from hivekeeper.swarm.optimizer import make_collaborative_optimizer
+from hivekeeper.swarm.plan_follower import PlanFollower
 from hivekeeper.tasks import load_task
 
 log = logging.getLogger("hivekeeper.trainer")
 REPORT_INTERVAL = 1.0
-
-
+AGGREGATOR_POLL = 0.05  # while the plan has this peer only aggregate
 
 def index_stream(train_size: int, batch_size: int, seed: int) -> Iterator[list[int]]:
     """Shuffled passes over the data, a fresh permutation each pass; the last partial batch of a
@@ -87,22 +87,25 @@ def train(ctx: RoleContext) -> int:
     model = task.build_model().to(device)
     dht = ctx.make_dht(client_mode=spec.trainers.client_mode)
     opt = make_collaborative_optimizer(spec, ctx.run_id, dht, model, ctx.metrics, batch_size=batch_size)
+    follower = PlanFollower(dht, ctx.run_id, args.plan_signer, opt.grad_averager, ctx.metrics)
     trace = Trace(args.trace)
     log.info("trainer started", extra={"fields": {"peer_id": str(dht.peer_id), "batch_size": batch_size,
                                                   "device": str(device)}})
     try:
         opt.load_state_from_peers()  # join an ongoing collaboration at its current step
+        follower.probe_bandwidth(args.initial_peers)
         ctx.endpoint.ready.set()
-        _loop(ctx, dht, opt, task, model, batch_size, device, trace)
+        _loop(ctx, dht, opt, follower, task, model, batch_size, device, trace)
     finally:
         trace.close()
         opt.shutdown()
         dht.shutdown()
-    log.info("trainer stopped", extra={"fields": {"epoch": opt.local_epoch}})
+    log.info("trainer stopped", extra={"fields": {"epoch": opt.local_epoch, "planned_rounds": follower.planned_rounds}})
     return 0
 
 
-def _loop(ctx: RoleContext, dht, opt, task, model, batch_size: int, device, trace: Trace) -> None:
+def _loop(ctx: RoleContext, dht, opt, follower: PlanFollower, task, model, batch_size: int, device,
+          trace: Trace) -> None:
     metrics = ctx.metrics
     batches = index_stream(task.train_size, batch_size, seed=ctx.spec.task.seed * 10_007 + ctx.args.index + 1)
     epoch_losses: list[float] = []  # losses of this peer's batches in the current step
@@ -120,8 +123,17 @@ def _loop(ctx: RoleContext, dht, opt, task, model, batch_size: int, device, trac
             if stop is not None:
                 log.info("stop requested by the monitor", extra={"fields": {"stop": stop}})
                 break
-            _report(ctx, dht, opt, step_loss, total_samples, samples_window)
+            follower.observe_rounds()
+            follower.poll()
+            opt.set_computes_gradients(follower.computes_gradients)
+            _report(ctx, dht, opt, follower, step_loss, total_samples, samples_window)
 
+        if opt.auxiliary:  # the plan has this peer aggregate only; it joins rounds without data
+            opt.step()
+            metrics.local_step.set(opt.local_epoch)
+            metrics.global_step.set(opt.tracker.global_epoch)
+            time.sleep(AGGREGATOR_POLL)
+            continue
         trace.snapshot_if_changed(model)
         indices = next(batches)
         batch = task.to_device(task.train_batch(indices), device)
@@ -153,14 +165,17 @@ def _loop(ctx: RoleContext, dht, opt, task, model, batch_size: int, device, trac
             time.sleep(ctx.args.step_delay)
 
 
-def _report(
-    ctx: RoleContext, dht, opt, step_loss: dict[str, Any], total_samples: int, samples_window: list[tuple[float, int]]
-) -> None:
-    horizon = time.monotonic() - 10.0
-    samples_window[:] = [(t, n) for t, n in samples_window if t >= horizon]
-    span = (samples_window[-1][0] - samples_window[0][0]) if len(samples_window) > 1 else 0.0
-    rate = sum(n for _, n in samples_window[1:]) / span if span > 0 else 0.0
-    ctx.metrics.samples_per_second.set(rate)
+def _report(ctx: RoleContext, dht, opt, follower: PlanFollower, step_loss: dict[str, Any], total_samples: int,
+            samples_window: list[tuple[float, int]]) -> None:
+    computing = not opt.auxiliary
+    if computing:  # an aggregator keeps its last rate: the balancer needs it to plan it back in
+        horizon = time.monotonic() - 10.0
+        samples_window[:] = [(t, n) for t, n in samples_window if t >= horizon]
+        span = (samples_window[-1][0] - samples_window[0][0]) if len(samples_window) > 1 else 0.0
+        rate = sum(n for _, n in samples_window[1:]) / span if span > 0 else 0.0
+        ctx.metrics.samples_per_second.set(rate)
+    else:
+        rate = ctx.status.get("samplesPerSecond", 0.0)
     report = dict(
         epoch=opt.local_epoch,
         globalEpoch=opt.tracker.global_epoch,
@@ -169,6 +184,9 @@ def _report(
         samplesPerSecond=rate,
         samples=total_samples,
         lastRound=opt.last_round,
+        computesGradients=computing,
+        plan=follower.plan.digest if follower.plan else None,
+        plannedRounds=follower.planned_rounds,
     )
     ctx.status.update(report)
     ctx.publish_report(dht, report)

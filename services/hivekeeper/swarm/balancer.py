@@ -1,0 +1,249 @@
+"""Balancer role: DeDLOC's adaptive averaging in a running Swarm.
+
+Every `replanSeconds` it reads who is alive from the DHT and what each averaging peer
+measures (samples/s, upload and download rates) from Prometheus or, without one, from the
+peers' /metrics directly; caps the rates by the manifest's declared limits; and re-solves the
+averaging plan (`plan_averaging`) when peers joined or left or an input drifted by more than
+`drift`. The plan is signed with the balancer's key and republished with a fresh expiry on
+every pass, so peers drop it within `planTtlSeconds` if the balancer goes away. Its figures
+(predicted steps/s, compute and aggregation bounds, each peer's role and share) are metrics
+and /status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+from hivekeeper.planning.averaging_lp import (
+    AveragingPlan,
+    AveragingProblem,
+    PeerCapacity,
+    Throughput,
+    plan_averaging,
+    throughput_of,
+)
+from hivekeeper.planning.group_size import optimal_group_size
+from hivekeeper.spec.swarm import SwarmSpec
+from hivekeeper.swarm.common import RoleContext, load_role_context, read_peer_reports, setup_logging
+from hivekeeper.swarm.metrics_source import (
+    MetricsSource,
+    MetricsSourceError,
+    PeerMeasurement,
+    PrometheusSource,
+    ScrapeSource,
+)
+from hivekeeper.swarm.optimizer import WIRE_BYTES_PER_ELEMENT
+from hivekeeper.swarm.plan_record import PeerAssignment, SignedPlan, load_signing_key, publish_plan
+from hivekeeper.swarm.planned_averaging import plan_digest
+
+log = logging.getLogger("hivekeeper.balancer")
+AVERAGING_ROLES = ("trainer", "auxiliary")
+_BITS = 8 / 1e6  # Mbps in one byte per second
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    problem: AveragingProblem  # peers named by peer ID
+    names: dict[str, str]  # peer ID -> role name, for people
+    waiting: tuple[str, ...]  # averaging peers left out: speed or bandwidth not measured (or declared) yet
+
+
+def plan_inputs(spec: SwarmSpec, measurements: Sequence[PeerMeasurement], num_parameters: int,
+                alive: Optional[set[str]] = None) -> Optional[PlanInputs]:
+    """The LP's inputs from what peers measure, capped by the manifest's limits; None while
+    no plan is possible (no computing peer, or none that accepts connections)."""
+    peers, names, waiting = [], {}, []
+    for m in measurements:
+        if m.role not in AVERAGING_ROLES or (alive is not None and m.peer_id not in alive):
+            continue
+        limits = spec.trainers.bandwidth if m.role == "trainer" else spec.auxiliary.bandwidth
+        upload = _capped(m.upload_bytes_per_second, limits.upload_mbps)
+        download = _capped(m.download_bytes_per_second, limits.download_mbps)
+        samples = m.samples_per_second if m.role == "trainer" else 0.0
+        # a trainer that has not measured its speed yet is not a peer without compute: planning
+        # it as one would make it a pure aggregator, and it would never measure a speed
+        if upload is None or download is None or (m.role == "trainer" and samples <= 0):
+            waiting.append(m.name)
+            continue
+        peers.append(PeerCapacity(name=m.peer_id, samples_per_second=samples, upload_mbps=upload,
+                                  download_mbps=download, client_mode=m.client_mode))
+        names[m.peer_id] = m.name
+    if not any(p.samples_per_second > 0 for p in peers) or all(p.client_mode for p in peers):
+        return None
+    problem = AveragingProblem(target_batch_size=spec.target_batch_size, num_parameters=num_parameters,
+                               peers=tuple(peers),
+                               bytes_per_parameter=WIRE_BYTES_PER_ELEMENT[spec.averaging.compression])
+    return PlanInputs(problem=problem, names=names, waiting=tuple(waiting))
+
+
+def _capped(measured_bytes: Optional[float], cap_mbps: Optional[float]) -> Optional[float]:
+    measured = measured_bytes * _BITS if measured_bytes else None
+    if measured is None:
+        return cap_mbps
+    return min(measured, cap_mbps) if cap_mbps else measured
+
+
+def drifted(old: AveragingProblem, new: AveragingProblem, threshold: float) -> Optional[str]:
+    """Why `new` may need another plan than `old`'s, or None. Membership changes always do
+    ("peers ..."); drifted inputs ("inputs ...") only if a new plan is clearly better."""
+    before = {p.name: p for p in old.peers}
+    after = {p.name: p for p in new.peers}
+    if before.keys() != after.keys():
+        return f"peers {len(before)} -> {len(after)}"
+    for name, peer in after.items():
+        prev = before[name]
+        if peer.client_mode != prev.client_mode:
+            return f"peers: client mode of {name[-8:]} changed"
+        for field in ("samples_per_second", "upload_mbps", "download_mbps"):
+            a, b = getattr(prev, field), getattr(peer, field)
+            if abs(b - a) > threshold * max(a, b, 1e-9):
+                return f"inputs: {field} of {name[-8:]} {a:.3g} -> {b:.3g}"
+    return None
+
+
+def signed_plan(swarm: str, inputs: PlanInputs, plan: AveragingPlan, issued: float, ttl: float) -> SignedPlan:
+    peers = tuple(PeerAssignment(peer_id=role.name, name=inputs.names[role.name],
+                                 computes_gradients=role.computes_gradients, share=role.aggregation_share)
+                  for role in plan.peers)
+    return SignedPlan(
+        swarm=swarm, digest=plan_digest({p.peer_id: p.share for p in peers}), issued=issued, expires=issued + ttl,
+        steps_per_second=_finite(plan.steps_per_second), compute_bound=_finite(plan.compute_bound),
+        aggregation_bound=_finite(plan.aggregation_bound),
+        averaging_seconds=_finite(plan.averaging_seconds),
+        group_size=optimal_group_size(len(peers), 0.0), peers=peers)
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 0.0  # JSON has no infinity; 0 reads "unbounded" in a plan
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging("balancer", args.index)
+    ctx = load_role_context("balancer", args)
+    return Balancer(ctx).run()
+
+
+class Balancer:
+    def __init__(self, ctx: RoleContext):
+        from hivekeeper.tasks import load_task
+
+        self.ctx = ctx
+        spec = ctx.spec
+        if not ctx.args.identity:
+            raise SystemExit("the balancer needs --identity: its key signs the plan")
+        self.key = load_signing_key(ctx.args.identity)
+        task = load_task(spec.task.name, spec.task.options, seed=spec.task.seed)
+        self.num_parameters = sum(p.numel() for p in task.build_model().parameters() if p.requires_grad)
+        self.inputs: Optional[PlanInputs] = None
+        self.plan: Optional[SignedPlan] = None
+        self.solve_seconds = 0.0
+        self.plans_made = 0
+
+    def source(self, dht) -> MetricsSource:
+        url = self.ctx.spec.balancer.prometheus_url
+        if url:
+            return PrometheusSource(url, self.ctx.run_id)
+        return ScrapeSource(self.ctx.run_id, lambda: [r["metrics"] for r in read_peer_reports(dht, self.ctx.run_id)
+                                                      if r.get("role") in AVERAGING_ROLES and r.get("metrics")])
+
+    def run(self) -> int:
+        ctx = self.ctx
+        ctx.start_endpoint()
+        dht = ctx.make_dht()
+        source = self.source(dht)
+        ctx.endpoint.ready.set()
+        log.info("balancer up", extra={"fields": {"peer_id": str(dht.peer_id), "parameters": self.num_parameters,
+                                                  "source": type(source).__name__}})
+        try:
+            while not ctx.stop.is_set():
+                if ctx.stop_requested(dht) is not None:
+                    break
+                self.step(dht, source)
+                ctx.publish_report(dht, {"plan": self.plan.digest if self.plan else None})
+                ctx.stop.wait(ctx.spec.balancer.replan_seconds)
+        finally:
+            dht.shutdown()
+        return 0
+
+    def step(self, dht, source: MetricsSource) -> None:
+        from hivemind.utils import get_dht_time
+
+        settings = self.ctx.spec.balancer
+        alive = {r.get("peerId") for r in read_peer_reports(dht, self.ctx.run_id) if r.get("role") in AVERAGING_ROLES}
+        try:
+            measurements = source.measure()
+        except MetricsSourceError as e:
+            log.warning("planner inputs unavailable", extra={"fields": {"error": str(e)}})
+            self.ctx.metrics.plan_input_errors.inc()
+            self.ctx.status.update(inputsError=str(e))
+            return  # the current plan runs out at its expiry; peers fall back to hivemind's split
+        inputs = plan_inputs(self.ctx.spec, measurements, self.num_parameters, alive)
+        if inputs is None:
+            self.ctx.status.update(waitingFor="a computing peer with measured samples/s and bandwidth")
+            return
+        reason = "first plan" if self.inputs is None else drifted(self.inputs.problem, inputs.problem, settings.drift)
+        now = get_dht_time()
+        solved = plan_averaging(inputs.problem) if reason is not None else None
+        if solved is not None and reason.startswith("inputs") and not self.clearly_better(inputs, solved):
+            solved = None
+        if solved is not None:
+            self.inputs, self.solve_seconds = inputs, solved.solve_seconds
+            self.plan = signed_plan(self.ctx.run_id, inputs, solved, now, settings.plan_ttl_seconds)
+            self.plans_made += 1
+            self.ctx.metrics.plans.inc()
+            log.info("new averaging plan", extra={"fields": {
+                "reason": reason, "peers": len(inputs.problem.peers), "waiting": list(inputs.waiting),
+                "steps_per_second": round(self.plan.steps_per_second, 4),
+                "solve_ms": round(solved.solve_seconds * 1e3, 2)}})
+        else:  # renew: same shares and digest, so groups that matched under it keep agreeing;
+            # its figures are what those shares achieve under the latest inputs
+            current = self.current_throughput(inputs)
+            self.plan = replace(self.plan, issued=now, expires=now + settings.plan_ttl_seconds,
+                                steps_per_second=_finite(current.steps_per_second),
+                                compute_bound=_finite(current.compute_bound),
+                                aggregation_bound=_finite(current.aggregation_bound),
+                                averaging_seconds=_finite(current.averaging_seconds))
+        publish_plan(dht, self.plan, self.key)
+        self.export(inputs)
+
+    def current_throughput(self, inputs: PlanInputs) -> Throughput:
+        return throughput_of(inputs.problem, {p.peer_id: p.computes_gradients for p in self.plan.peers},
+                             self.plan.shares())
+
+    def clearly_better(self, inputs: PlanInputs, solved: AveragingPlan) -> bool:
+        """A fresh plan replaces the one peers follow only if it beats it under the new inputs by
+        `drift` (steps/s, then aggregation rate): every switch costs a round on hivemind's split
+        (groups hold different plans meanwhile), and measurements are noisy."""
+        margin = 1 + self.ctx.spec.balancer.drift
+        current = self.current_throughput(inputs)
+        better = solved.steps_per_second > current.steps_per_second * margin or (
+            solved.steps_per_second >= current.steps_per_second
+            and solved.aggregation_bound > current.aggregation_bound * margin)
+        if not better:
+            self.inputs = inputs  # drift is measured from here on
+        return better
+
+    def export(self, inputs: PlanInputs) -> None:
+        plan, metrics = self.plan, self.ctx.metrics
+        metrics.plan_steps_per_second.set(plan.steps_per_second)
+        metrics.plan_compute_bound.set(plan.compute_bound)
+        metrics.plan_aggregation_bound.set(plan.aggregation_bound)
+        metrics.plan_averaging_seconds.set(plan.averaging_seconds)
+        metrics.plan_solve_seconds.set(self.solve_seconds)
+        metrics.plan_updated.set(time.time())
+        metrics.plan_share.clear()
+        metrics.plan_computes_gradients.clear()
+        for peer in plan.peers:
+            metrics.plan_share.labels(peer.name).set(peer.share)
+            metrics.plan_computes_gradients.labels(peer.name).set(float(peer.computes_gradients))
+        self.ctx.status.clear()
+        self.ctx.status.update(plan=plan.to_json(), plansMade=self.plans_made, solveSeconds=self.solve_seconds,
+                               waiting=list(inputs.waiting),
+                               inputs=[{"name": inputs.names[p.name], "samplesPerSecond": p.samples_per_second,
+                                        "uploadMbps": p.upload_mbps, "downloadMbps": p.download_mbps,
+                                        "clientMode": p.client_mode} for p in inputs.problem.peers])
