@@ -1,11 +1,16 @@
 """One peer of bench_averaging_netns.py, run inside its network namespace.
 
-Starts a DHT peer and a PlannedAverager on the namespace's address, prints one JSON line
+Starts a DHT peer that answers bandwidth probes (`hivekeeper.swarm.bandwidth.serve_probes`)
+and a PlannedAverager on the namespace's address, prints one JSON line
 {"ready": peer_id, "maddrs": [...]}, then serves JSON commands on stdin, one a line:
 
+    {"cmd": "probe", "peer": peer_id, "size": bytes}
     {"cmd": "round", "round": k, "scheduled_time": t, "shares": {peer_id: share} | null,
      "bandwidth": Mbps | null}
     {"cmd": "quit"}
+
+A probe sends `size` bytes to `peer` while fetching as many back, over the transport the
+averager uses, and answers {"upload": bytes/s, "download": bytes/s}.
 
 A round fills the vector with a_r * u + b_r (u a fixed random vector, a_r and b_r known
 functions of peer rank and round), so every peer can check the exact mean without the
@@ -40,6 +45,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     import hivemind
+    from hivekeeper.swarm.bandwidth import probe, serve_probes
     from hivekeeper.swarm.planned_averaging import PlannedAverager
 
     u = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
@@ -52,6 +58,7 @@ def main() -> None:
             if attempt == 2:
                 raise
             time.sleep(2)
+    serve_probes(dht)
     averager = PlannedAverager(
         [torch.zeros(args.numel)], dht, prefix=args.prefix, start=True,
         target_group_size=args.peers, min_group_size=args.peers, min_matchmaking_time=2.0,
@@ -65,7 +72,12 @@ def main() -> None:
             command = json.loads(line)
             if command["cmd"] == "quit":
                 break
-            reply(run_round(averager, u, args, command))
+            if command["cmd"] == "probe":
+                rates = probe(dht, [command["peer"]], size=command["size"])
+                reply({"upload": rates.upload, "download": rates.download} if rates else
+                      {"error": f"probe of {command['peer']} failed; see this worker's log"})
+            else:
+                reply(run_round(averager, u, args, command))
     finally:
         averager.shutdown()
         dht.shutdown()

@@ -66,7 +66,13 @@ def test_a_planned_aggregator_stops_computing_and_rejoins(tmp_path, no_leaked_p2
         dht = hivemind.DHT(initial_peers=initial_peers, client_mode=True, start=True)
         key = load_signing_key(str(run_dir / "keys" / "balancer-0.key"))
         step = lambda: status(ports["monitor-0"]).get("globalStep", -1)  # noqa: E731
-        wait_for(lambda: step() >= 2, 150, "two global steps")
+        # start from a collaboration in step: both trainers at the global step, having averaged
+        def in_sync() -> bool:
+            trainers = [status(ports[name]) for name in ("trainer-0", "trainer-1")]
+            return (step() >= 2 and trainers[0].get("epoch") == trainers[1].get("epoch")
+                    and all((t.get("lastRound") or {}).get("outcome") == "success" for t in trainers))
+
+        wait_for(in_sync, 180, "both trainers in step after an averaging round")
         ids = wait_for(lambda: (found := {r["name"]: r["peerId"] for r in read_peer_reports(dht, "digits")
                                           if r.get("role") in ("trainer", "auxiliary")}) and len(found) == 3 and found,
                        30, "every averaging peer's report")

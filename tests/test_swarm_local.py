@@ -90,11 +90,13 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
         assert metric(text, "hivekeeper_averaging_rounds_total", '{outcome="success"}') >= 1
         assert metric(text, "hivekeeper_averaging_round_duration_seconds_count") >= 1
         assert 2 <= metric(text, "hivekeeper_averaging_group_size") <= 3  # of 2 trainers + 1 auxiliary
-        # A peer in a group of n sends between one and n-1 vectors' worth of float32 parts a round.
+        # A peer in a group of n sends between one and n-1 vectors' worth of float32 parts a round
+        # (a round the optimizer gave up on may still have moved its parts: bound by all rounds).
         vector_bytes = 4 * sum(p.numel() for p in load_task("digits").build_model().parameters())
-        rounds = metric(text, "hivekeeper_averaging_rounds_total", '{outcome="success"}')
-        per_round = metric(text, "hivekeeper_averaging_sent_bytes_total") / rounds
-        assert 0.5 * vector_bytes <= per_round <= 3 * vector_bytes, (per_round, vector_bytes)
+        succeeded = metric(text, "hivekeeper_averaging_rounds_total", '{outcome="success"}')
+        attempted = succeeded + metric(text, "hivekeeper_averaging_rounds_total", '{outcome="failure"}')
+        sent = metric(text, "hivekeeper_averaging_sent_bytes_total")
+        assert 0.5 * vector_bytes * succeeded <= sent <= 3 * vector_bytes * attempted, (sent, vector_bytes, attempted)
         assert metric(text, "hivekeeper_averaging_received_bytes_total") == metric(
             text, "hivekeeper_averaging_sent_bytes_total")
         assert metric(text, "hivekeeper_local_step") >= 1

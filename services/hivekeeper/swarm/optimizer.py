@@ -75,14 +75,24 @@ def make_instrumented_classes():
         epoch has passed; right after start-up its throughput estimate is unbounded, so a lone
         peer takes dozens of steps on one small batch each. That breaks the promise that every
         optimizer step sees the global batch, which is what makes this large-batch SGD. The
-        estimate still schedules matchmaking ahead of time."""
+        estimate still schedules matchmaking ahead of time.
+
+        At start-up it also waits (at most `gather_seconds`) until it sees the trainers the spec
+        asks for: each trainer only learns of the others from the DHT a fetch later, and until
+        then it steps alone, many small steps a second; peers that meet after that are epochs
+        apart, and hivemind re-synchronizes them slowly while their rounds fail."""
+
+        def __init__(self, *args: Any, expected_peers: int = 1, gather_seconds: float = 60.0, **kwargs: Any):
+            self.expected_peers = expected_peers
+            self.gather_until = time.monotonic() + gather_seconds
+            super().__init__(*args, **kwargs)
 
         @property
         def ready_to_update_epoch(self) -> bool:
-            return (
-                self.global_epoch > self.local_progress.epoch
-                or self.global_progress.samples_accumulated >= self.target_batch_size
-            )
+            if self.global_epoch > self.local_progress.epoch:
+                return True
+            gathering = self.global_progress.num_peers < self.expected_peers and time.monotonic() < self.gather_until
+            return not gathering and self.global_progress.samples_accumulated >= self.target_batch_size
 
     class CountingGradientAverager(GradientAverager):
         """Counts bytes of tensor parts moved in all-reduce. The all-reduce runs in the averager's
@@ -117,8 +127,9 @@ def make_instrumented_classes():
             self.last_round_bytes.value = outbound
 
     class InstrumentedOptimizer(hivemind.Optimizer):
-        def __init__(self, *args: Any, metrics: SwarmMetrics, **kwargs: Any):
+        def __init__(self, *args: Any, metrics: SwarmMetrics, expected_peers: int = 1, **kwargs: Any):
             self.metrics = metrics
+            self.expected_peers = expected_peers
             self.last_round: dict[str, Any] = {}
             self._bytes_seen = (0.0, 0.0)
             self.state_loads = 0
@@ -150,7 +161,7 @@ def make_instrumented_classes():
         def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
             return BatchBoundTracker(
                 dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size, client_mode=self.client_mode,
-                status_loglevel=self.status_loglevel, start=True, **kwargs,
+                status_loglevel=self.status_loglevel, start=True, expected_peers=self.expected_peers, **kwargs,
             )
 
         def load_state_from_peers(self, **kwargs: Any) -> None:
@@ -251,6 +262,7 @@ def make_collaborative_optimizer(
                            request_timeout=min(3.0, averaging.matchmaking_seconds / 2)),
         tracker_opts=dict(min_refresh_period=0.25, max_refresh_period=2.0),
         metrics=metrics,
+        expected_peers=spec.trainers.replicas,  # the progress tracker counts trainers only
         verbose=False,
     )
     reset_step_counters(optimizer.state_averager.optimizer)
