@@ -149,3 +149,18 @@ def test_a_signed_plan_carries_the_solution_by_peer_id(tmp_path):
     assert plan.assignment("id-auxiliary-0").computes_gradients is False
     assert math.isfinite(plan.steps_per_second) and plan.steps_per_second == pytest.approx(solved.steps_per_second)
     assert SignedPlan.from_json(plan.to_json()) == plan
+
+
+def test_the_default_group_size_follows_the_failure_probability(tmp_path):
+    """DeDLOC appendix C: with reliable peers everyone averages at once; with failing peers,
+    smaller groups reach the global average sooner."""
+    from hivekeeper.swarm.optimizer import averaging_group_size
+
+    def spec(**averaging):
+        return load_manifest(write_manifest(tmp_path, {"spec": {"trainers": {"replicas": 14},
+                                                                "auxiliary": {"replicas": 2},
+                                                                "averaging": averaging}})).spec
+
+    assert averaging_group_size(spec()) == 16
+    assert averaging_group_size(spec(peerFailureProbability=0.1)) == 4
+    assert averaging_group_size(spec(peerFailureProbability=0.1, targetGroupSize=8)) == 8

@@ -88,7 +88,11 @@ class AveragingSpec(SpecModel):
     timeout_seconds: float = Field(30.0, gt=0, description="give up on a round after this long")
     compression: CompressionName = "none"
     delayed_parameter_updates: StrictBool = Field(False, description="DeDLOC's DPU: step in the background while computing")
-    target_group_size: Optional[int] = Field(None, ge=2, description="all-reduce group size; default: every peer")
+    target_group_size: Optional[int] = Field(
+        None, ge=2, description="all-reduce group size; default: the size that averages fastest given "
+                                "peerFailureProbability (DeDLOC appendix C; every peer when it is 0)")
+    peer_failure_probability: float = Field(
+        0.0, ge=0, lt=1, description="chance that a peer fails a round, for the default group size")
     average_state_every: int = Field(1, ge=1, description="also average parameters every N steps")
 
 

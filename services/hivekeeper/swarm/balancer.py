@@ -106,7 +106,8 @@ def drifted(old: AveragingProblem, new: AveragingProblem, threshold: float) -> O
     return None
 
 
-def signed_plan(swarm: str, inputs: PlanInputs, plan: AveragingPlan, issued: float, ttl: float) -> SignedPlan:
+def signed_plan(swarm: str, inputs: PlanInputs, plan: AveragingPlan, issued: float, ttl: float,
+                failure_probability: float = 0.0) -> SignedPlan:
     peers = tuple(PeerAssignment(peer_id=role.name, name=inputs.names[role.name],
                                  computes_gradients=role.computes_gradients, share=role.aggregation_share)
                   for role in plan.peers)
@@ -115,7 +116,7 @@ def signed_plan(swarm: str, inputs: PlanInputs, plan: AveragingPlan, issued: flo
         steps_per_second=_finite(plan.steps_per_second), compute_bound=_finite(plan.compute_bound),
         aggregation_bound=_finite(plan.aggregation_bound),
         averaging_seconds=_finite(plan.averaging_seconds),
-        group_size=optimal_group_size(len(peers), 0.0), peers=peers)
+        group_size=optimal_group_size(len(peers), failure_probability), peers=peers)
 
 
 def _finite(x: float) -> float:
@@ -193,7 +194,8 @@ class Balancer:
             solved = None
         if solved is not None:
             self.inputs, self.solve_seconds = inputs, solved.solve_seconds
-            self.plan = signed_plan(self.ctx.run_id, inputs, solved, now, settings.plan_ttl_seconds)
+            self.plan = signed_plan(self.ctx.run_id, inputs, solved, now, settings.plan_ttl_seconds,
+                                    self.ctx.spec.averaging.peer_failure_probability)
             self.plans_made += 1
             self.ctx.metrics.plans.inc()
             log.info("new averaging plan", extra={"fields": {

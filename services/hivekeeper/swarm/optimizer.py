@@ -57,8 +57,15 @@ def compression(name: str):
 
 
 def averaging_group_size(spec: SwarmSpec) -> int:
-    """Default all-reduce group: every averaging peer (trainers and auxiliaries) at once."""
-    return spec.averaging.target_group_size or max(2, spec.trainers.replicas + spec.auxiliary.replicas)
+    """The all-reduce group: as the spec says, else the size that reaches the global average
+    fastest when each peer fails a round with `peerFailureProbability` (DeDLOC appendix C):
+    every averaging peer (trainers and auxiliaries) at once when peers do not fail."""
+    from hivekeeper.planning.group_size import optimal_group_size
+
+    if spec.averaging.target_group_size:
+        return spec.averaging.target_group_size
+    peers = spec.trainers.replicas + spec.auxiliary.replicas
+    return max(2, optimal_group_size(peers, spec.averaging.peer_failure_probability))
 
 
 def make_instrumented_classes():
