@@ -46,15 +46,15 @@ def write_manifest(directory: Path, changes: dict[str, Any] | None = None, base:
     return path
 
 
-def wait_for(condition, timeout: float, what: str):
+def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
     """Poll `condition` until it returns something truthy (returned), or fail naming `what`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def parent_pid(pid: int) -> int | None:

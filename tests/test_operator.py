@@ -22,6 +22,7 @@ import jsonschema  # noqa: E402
 import yaml  # noqa: E402
 
 from conftest import EXAMPLES, deep_update  # noqa: E402
+from conftest import wait_for as poll_until  # noqa: E402
 from hivekeeper.spec.crd import crd, jsonschema_for  # noqa: E402
 from hivekeeper_operator import identity  # noqa: E402
 from hivekeeper_operator.kube import Kube  # noqa: E402
@@ -110,13 +111,7 @@ def start_operator(request, monitor):
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = WAIT, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return poll_until(predicate, timeout, what, interval=0.05)
 
 
 def example(name: str = "swarm-digits.yaml", changes: dict[str, Any] | None = None) -> dict[str, Any]:

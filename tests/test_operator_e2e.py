@@ -13,7 +13,6 @@ schema validation, the scale subresource, the garbage collector. With HIVEKEEPER
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from typing import Any, Callable
 
@@ -27,18 +26,13 @@ pytestmark = [
 ]
 
 from conftest import EXAMPLES, REPO, deep_update  # noqa: E402
+from conftest import wait_for as poll_until  # noqa: E402
 
 IMAGE = os.environ.get("HIVEKEEPER_E2E_IMAGE")
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1.0)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return poll_until(predicate, timeout, what, interval=1.0)
 
 
 @pytest.fixture(scope="module")

@@ -154,6 +154,17 @@ def assert_mean(inputs, outputs, receivers, senders):
             assert torch.allclose(outputs[k][index], mean, atol=1e-5), f"peer {k} tensor {index} is not the mean"
 
 
+def average_with_plans(swarm, plans, round_seed: int):
+    """One round with each averager holding its own plan (shares, expiry); cleared afterwards."""
+    for averager, (shares, expires) in zip(swarm, plans):
+        averager.set_plan(shares, expires_at=expires)
+    try:
+        return average_once(swarm, round_seed=round_seed)
+    finally:
+        for averager in swarm:
+            averager.clear_plan()
+
+
 def peer_ids(averagers):
     return [str(averager.peer_id) for averager in averagers]
 
@@ -166,13 +177,7 @@ def peer_ids(averagers):
 ])
 def test_plan_shares_split_the_vector_and_the_mean_stays_exact(swarm, shares, elements):
     plan = dict(zip(peer_ids(swarm), shares))
-    for averager in swarm:
-        averager.set_plan(plan, expires_at=_now() + 600)
-    try:
-        inputs, outputs = average_once(swarm, round_seed=1)
-    finally:
-        for averager in swarm:
-            averager.clear_plan()
+    inputs, outputs = average_with_plans(swarm, [(plan, _now() + 600)] * len(swarm), round_seed=1)
     rounds = [averager.last_round for averager in swarm]
     assert all(r.planned and r.group_size == 4 and r.missing_elements == 0 for r in rounds)
     assert [r.aggregated_elements for r in rounds] == elements
@@ -199,18 +204,13 @@ def test_without_a_plan_hivemind_splits_evenly(swarm):
 def test_an_invalid_plan_falls_back_to_hivemind(swarm, case):
     ids = peer_ids(swarm)
     plan = dict(zip(ids, (0.7, 0.1, 0.2, 0.0)))
-    for k, averager in enumerate(swarm):
-        if case == "uncovered":
-            averager.set_plan({peer: share for peer, share in plan.items() if peer != ids[2]}, _now() + 600)
-        elif case == "expired":
-            averager.set_plan(plan, expires_at=_now() - 1)
-        else:  # one peer already holds the next plan
-            averager.set_plan(plan if k else {**plan, ids[0]: 0.6}, _now() + 600)
-    try:
-        inputs, outputs = average_once(swarm, round_seed=3)
-    finally:
-        for averager in swarm:
-            averager.clear_plan()
+    if case == "uncovered":
+        plans = [({peer: share for peer, share in plan.items() if peer != ids[2]}, _now() + 600)] * len(swarm)
+    elif case == "expired":
+        plans = [(plan, _now() - 1)] * len(swarm)
+    else:  # one peer already holds the next plan
+        plans = [({**plan, ids[0]: 0.6}, _now() + 600)] + [(plan, _now() + 600)] * (len(swarm) - 1)
+    inputs, outputs = average_with_plans(swarm, plans, round_seed=3)
     rounds = [averager.last_round for averager in swarm]
     assert not any(r.planned for r in rounds), case
     assert all(abs(r.aggregated_elements - TOTAL / 3) <= PART for r in rounds[:3])

@@ -108,9 +108,9 @@ def drifted(old: AveragingProblem, new: AveragingProblem, threshold: float) -> O
 
 def signed_plan(swarm: str, inputs: PlanInputs, plan: AveragingPlan, issued: float, ttl: float,
                 failure_probability: float = 0.0) -> SignedPlan:
-    peers = tuple(PeerAssignment(peer_id=role.name, name=inputs.names[role.name],
-                                 computes_gradients=role.computes_gradients, share=role.aggregation_share)
-                  for role in plan.peers)
+    peers = tuple(sorted((PeerAssignment(peer_id=role.name, name=inputs.names[role.name],
+                                         computes_gradients=role.computes_gradients, share=role.aggregation_share)
+                          for role in plan.peers), key=lambda peer: peer.name))  # by name, for people
     return SignedPlan(
         swarm=swarm, digest=plan_digest({p.peer_id: p.share for p in peers}), issued=issued, expires=issued + ttl,
         steps_per_second=_finite(plan.steps_per_second), compute_bound=_finite(plan.compute_bound),

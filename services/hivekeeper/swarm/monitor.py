@@ -147,10 +147,7 @@ class Monitor:
             plan = read_plan(self.dht, swarm=self.ctx.run_id, signer=signer)
         except PlanRecordError:
             return None
-        return {"digest": plan.digest, "stepsPerSecond": plan.steps_per_second, "computeBound": plan.compute_bound,
-                "aggregationBound": plan.aggregation_bound, "averagingSeconds": plan.averaging_seconds,
-                "peers": [{"name": p.name, "computesGradients": p.computes_gradients, "share": round(p.share, 4)}
-                          for p in sorted(plan.peers, key=lambda p: p.name)]}
+        return plan.to_json()
 
     def should_evaluate(self, global_step: int) -> bool:
         every = self.ctx.spec.monitor.eval_every_steps
