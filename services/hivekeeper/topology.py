@@ -45,6 +45,32 @@ class Network(Protocol):
         """The address others dial for this role, if not the listen address."""
 
 
+def make_role(component: str, index: int, network: Network, manifest_path: str, run_dir: str,
+              initial_peers: list[str], resources: Resources, *, identity: bool = False,
+              completes_run: bool = False, extra_args: tuple[str, ...] = ()) -> Role:
+    """One role of any kind: `hivekeeper run COMPONENT` with the arguments every role takes."""
+    name = f"{component}-{index}"
+    ports = {METRICS: network.port(name, METRICS), P2P: network.port(name, P2P)}
+    args = [component, "--manifest", manifest_path, "--index", str(index), "--host", network.listen_host,
+            "--p2p-port", str(ports[P2P]), "--metrics-port", str(ports[METRICS]), "--run-dir", run_dir]
+    announce = network.announce_host(name)
+    if announce:
+        args += ["--announce-host", announce]
+    if identity:
+        args += ["--identity", network.identity_path(name)]
+    args += extra_args
+    if initial_peers:
+        args += ["--initial-peers", *initial_peers]
+    return Role(name=name, component=component, index=index, args=tuple(args), ports=ports,
+                resources=resources, completes_run=completes_run)
+
+
+def backbone_maddrs(network: Network, backbone_peer_ids: list[str]) -> list[str]:
+    """The multiaddrs of the backbone peers, which every other role bootstraps from."""
+    return [network.backbone_maddr(i, network.port(f"backbone-{i}", P2P), peer_id)
+            for i, peer_id in enumerate(backbone_peer_ids)]
+
+
 def swarm_roles(manifest: Manifest, network: Network, backbone_peer_ids: list[str], manifest_path: str,
                 run_dir: str, balancer_peer_id: str | None = None) -> list[Role]:
     """Every process of a Swarm. The balancer's peer ID (its key is made before it starts, like
@@ -52,29 +78,15 @@ def swarm_roles(manifest: Manifest, network: Network, backbone_peer_ids: list[st
     spec: SwarmSpec = manifest.spec
     assert len(backbone_peer_ids) == spec.backbone.replicas, "one identity per backbone peer"
     assert (balancer_peer_id is not None) == spec.balancer.enabled, "a balancer identity iff the balancer runs"
-    backbone_ports = [network.port(f"backbone-{i}", P2P) for i in range(spec.backbone.replicas)]
-    initial_peers = [
-        network.backbone_maddr(i, port, peer_id) for i, (port, peer_id) in enumerate(zip(backbone_ports, backbone_peer_ids))
-    ]
+    initial_peers = backbone_maddrs(network, backbone_peer_ids)
 
     def role(component: str, index: int, resources: Resources, *, identity: bool = False,
              completes_run: bool = False) -> Role:
-        name = f"{component}-{index}"
-        ports = {METRICS: network.port(name, METRICS), P2P: network.port(name, P2P)}
-        args = [component, "--manifest", manifest_path, "--index", str(index), "--host", network.listen_host,
-                "--p2p-port", str(ports[P2P]), "--metrics-port", str(ports[METRICS]), "--run-dir", run_dir]
-        announce = network.announce_host(name)
-        if announce:
-            args += ["--announce-host", announce]
-        if identity:
-            args += ["--identity", network.identity_path(name)]
-        if balancer_peer_id and component in PLAN_FOLLOWERS:
-            args += ["--plan-signer", balancer_peer_id]
+        follows_plan = balancer_peer_id and component in PLAN_FOLLOWERS
         peers = [maddr for i, maddr in enumerate(initial_peers) if not (component == "backbone" and i == index)]
-        if peers:
-            args += ["--initial-peers", *peers]
-        return Role(name=name, component=component, index=index, args=tuple(args), ports=ports,
-                    resources=resources, completes_run=completes_run)
+        return make_role(component, index, network, manifest_path, run_dir, peers, resources, identity=identity,
+                         completes_run=completes_run,
+                         extra_args=("--plan-signer", balancer_peer_id) if follows_plan else ())
 
     backbone_resources = Resources(cpu="250m", memory="512Mi")
     roles = [role("backbone", i, backbone_resources, identity=True) for i in range(spec.backbone.replicas)]

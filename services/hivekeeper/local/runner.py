@@ -17,24 +17,23 @@ from hivekeeper.local.identity import ensure_identity
 from hivekeeper.local.network import LocalNetwork
 from hivekeeper.local.progress import ProgressView, fetch_status
 from hivekeeper.local.supervisor import Supervisor
+from hivekeeper.kinds import runtime
 from hivekeeper.spec import Manifest
-from hivekeeper.topology import METRICS, swarm_roles
+from hivekeeper.topology import METRICS
 
 POLL_SECONDS = 0.5
 
 
 def prepare_run(manifest: Manifest, run_dir: Path) -> tuple[Path, list]:
-    """Write the rendered manifest and the backbone's and balancer's keys, and lay out every role."""
+    """Write the rendered manifest and the keys of the roles others must know in advance (the
+    backbone's, the balancer's), and lay out every role."""
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = run_dir / "manifest.json"
     manifest_path.write_text(json.dumps(manifest.model_dump(by_alias=True, mode="json", exclude_none=True), indent=2))
     network = LocalNetwork(run_dir)
-    peer_ids = [
-        ensure_identity(Path(network.identity_path(f"backbone-{i}"))) for i in range(manifest.spec.backbone.replicas)
-    ]
-    balancer_id = ensure_identity(Path(network.identity_path("balancer-0"))) if manifest.spec.balancer.enabled else None
-    roles = swarm_roles(manifest, network, peer_ids, str(manifest_path.resolve()), str(run_dir.resolve()),
-                        balancer_peer_id=balancer_id)
+    kind = runtime(manifest.kind)
+    peer_ids = {name: ensure_identity(Path(network.identity_path(name))) for name in kind.identity_roles(manifest)}
+    roles = kind.roles(manifest, network, peer_ids, str(manifest_path.resolve()), str(run_dir.resolve()))
     (run_dir / "ports.json").write_text(json.dumps({role.name: role.ports[METRICS] for role in roles}, indent=2))
     return manifest_path, roles
 
@@ -56,7 +55,7 @@ def run_locally(manifest: Manifest, run_dir: Path, console: Console | None = Non
     completed = False
     try:
         supervisor.start(ready_first=("backbone",))
-        with ProgressView(manifest.metadata.name, supervisor, manifest.spec.stopping.target_steps, console) as view:
+        with ProgressView(manifest.metadata.name, supervisor, runtime(manifest.kind).target_steps(manifest), console) as view:
             while not interrupted.is_set():
                 if supervisor.poll():
                     completed = True

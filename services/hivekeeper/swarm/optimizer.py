@@ -140,6 +140,7 @@ def make_instrumented_classes():
             self.last_round: dict[str, Any] = {}
             self._bytes_seen = (0.0, 0.0)
             self.state_loads = 0
+            self._check_average = self._rejected_average = False
             super().__init__(*args, **kwargs)
 
         def set_computes_gradients(self, computes: bool) -> None:
@@ -184,13 +185,33 @@ def make_instrumented_classes():
                 # hivemind steps alone (no all-reduce) when it sees no other peer
                 self._record_round("skipped", 1, 0.0, epoch)
 
+        def _load_averaged_gradients_into_optimizer_(self):
+            """hivemind's, refusing an average that is not finite: hivemind divides a part's sum by
+            the senders' total weight, which is 0 when every sender in the group had no samples
+            (a peer tagging along after a restart) or when every weighted sender failed mid-round,
+            and a peer may send garbage. hivemind then steps on this peer's local gradients."""
+            checking, self._check_average = self._check_average, False  # hivemind's fallback loads
+            if not checking:  # local gradients through this same method: those pass unchecked
+                return super()._load_averaged_gradients_into_optimizer_()
+            with torch.no_grad(), self.grad_averager.get_tensors() as averaged:
+                finite = all(bool(torch.isfinite(tensor).all()) for tensor in averaged)
+            if not finite:
+                self._rejected_average = True
+                log.error("averaged gradients are not finite; stepping on local gradients instead")
+                raise ValueError("averaged gradients are not finite")
+            super()._load_averaged_gradients_into_optimizer_()
+
         def _average_gradients_and_load_into_optimizer(self, maybe_step_control):
             started = time.perf_counter()
+            self._rejected_average, self._check_average = False, True
             super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+            self._check_average = False
             seconds = time.perf_counter() - started
             members: list[str] = []
             if maybe_step_control is None:
                 outcome, group_size = "skipped", 1
+            elif self._rejected_average:
+                outcome, group_size = "failure", 0
             elif maybe_step_control.done() and maybe_step_control.exception() is None:
                 members = sorted(str(peer) for peer in maybe_step_control.result())
                 outcome, group_size = "success", len(members)
