@@ -50,6 +50,15 @@ def global_step(run_dir: Path) -> int:
     return json.loads(status).get("globalStep", -1) if status else -1
 
 
+def crash_trainer(run_dir: Path, index: int) -> None:
+    """SIGKILL trainer `index` of a run: a crash, not a clean exit."""
+    victim = [pid for pid in processes_of(run_dir)
+              if b"trainer\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+              and f"--index\x00{index}\x00".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert victim, f"trainer-{index} is running"
+    os.kill(victim[0], signal.SIGKILL)
+
+
 def processes_of(run_dir: Path) -> list[int]:
     """PIDs of role processes started for this run (their command line names the run dir)."""
     found = []
@@ -117,11 +126,7 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
         assert monitor_status["plan"]["stepsPerSecond"] > 0
         assert {p["name"] for p in monitor_status["plan"]["peers"]} == {"trainer-0", "trainer-1", "auxiliary-0"}
 
-        victim = [pid for pid in processes_of(run_dir)
-                  if b"trainer\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
-                  and b"--index\x001\x00" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert victim, "trainer-1 is running"
-        os.kill(victim[0], signal.SIGKILL)  # a crash, not a clean exit
+        crash_trainer(run_dir, 1)
 
         out, err = runner.communicate(timeout=200)
     finally:

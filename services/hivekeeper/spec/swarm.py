@@ -94,6 +94,33 @@ class AveragingSpec(SpecModel):
     peer_failure_probability: float = Field(
         0.0, ge=0, lt=1, description="chance that a peer fails a round, for the default group size")
     average_state_every: int = Field(1, ge=1, description="also average parameters every N steps")
+    mode: Literal["gradients", "parameters", "ties"] = Field(
+        "gradients", description="gradients: DeDLOC's synchronous large-batch steps; parameters: replicas train "
+                                 "alone and average weights (and optimizer state) every mergeEvery steps; "
+                                 "ties: the same with a TIES merge")
+    merge_every_steps: Optional[int] = Field(
+        None, ge=1, description="merge after this many local optimizer steps (parameters, ties; default 10)")
+    merge_every_epochs: Optional[float] = Field(
+        None, gt=0, description="or after this fraction of a pass over the training data")
+    trim: Optional[float] = Field(
+        None, gt=0, le=1, description="ties: keep this fraction of each offset's largest magnitudes (default: no trim)")
+    merge_optimizer_state: StrictBool = Field(True, description="merge optimizer moments along with the weights")
+
+    @property
+    def merges_weights(self) -> bool:
+        return self.mode != "gradients"
+
+    @model_validator(mode="after")
+    def _merge_fields(self) -> "AveragingSpec":
+        merge_fields = self.model_fields_set & {"merge_every_steps", "merge_every_epochs", "merge_optimizer_state"}
+        if not self.merges_weights and merge_fields:
+            names = ", ".join(sorted(self.model_fields[f].alias or f for f in merge_fields))
+            raise ValueError(f"{names}: only for mode parameters or ties (mode is gradients)")
+        if self.trim is not None and self.mode != "ties":
+            raise ValueError(f"trim: only for mode ties (mode is {self.mode})")
+        if self.merge_every_steps is not None and self.merge_every_epochs is not None:
+            raise ValueError("set mergeEverySteps or mergeEveryEpochs, not both")
+        return self
 
 
 class MonitorSpec(SpecModel):
@@ -148,6 +175,15 @@ class SwarmSpec(SpecModel):
                 f"averaging.targetGroupSize ({group}) exceeds the averaging peers "
                 f"(trainers + auxiliary = {self.trainers.replicas + self.auxiliary.replicas})"
             )
+        if self.averaging.merges_weights:
+            mode = self.averaging.mode
+            if self.auxiliary.replicas:
+                raise ValueError(f"auxiliary.replicas: auxiliary peers help gradient averaging only "
+                                 f"(averaging.mode is {mode}); set it to 0")
+            if self.balancer.enabled and "enabled" in self.balancer.model_fields_set:
+                raise ValueError(f"balancer.enabled: the balancer plans gradient averaging only "
+                                 f"(averaging.mode is {mode})")
+            self.balancer.enabled = False  # off by default when replicas merge weights
         if self.stopping.target_metric is not None and not self.monitor.enabled:
             raise ValueError("stopping.targetMetric needs monitor.enabled: the monitor evaluates held-out metrics")
         return self

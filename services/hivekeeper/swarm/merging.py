@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ctypes
 import hashlib
 import logging
@@ -67,6 +68,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
+from hivemind.compression import CompressionInfo
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 __all__ = ["AllOrNothingRunner", "MergeResult", "MergingAverager", "SimpleMerger", "TiesMerger",
@@ -221,7 +223,19 @@ class MergingAverager(DecentralizedAverager):
             raise ValueError("merges must be exact: no compression, and no auxiliary peers (they send nothing)")
         self.kind = kind
         self._report = mp.get_context("fork").Array(ctypes.c_long, 3)  # before the fork in super().__init__
+        self._shared_state: Optional[tuple[dict[str, Any], list[torch.Tensor]]] = None
         super().__init__(averaged_tensors, dht, **kwargs)
+
+    def share_state(self, metadata: dict[str, Any], tensors: Sequence[torch.Tensor]) -> None:
+        """What other peers' `load_state_from_peers` downloads from this one (the averaged
+        tensors are only the merge's working buffer, so they are never shared)."""
+        self._shared_state = (dict(metadata), [tensor.detach().clone() for tensor in tensors])
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Sequence[Any]]:
+        if self._shared_state is None:
+            raise RuntimeError("no merged state to share yet")
+        metadata, tensors = self._shared_state
+        return metadata, tensors, [CompressionInfo.from_tensor(tensor) for tensor in tensors]
 
     @property
     def last_attempt(self) -> tuple[int, int, int]:
@@ -282,7 +296,7 @@ class MergingAverager(DecentralizedAverager):
                     result = disjoint_mean(masked, indicators, len(group_info.peer_ids))
                 for tensor, merged in zip(inputs, result):
                     tensor.copy_(merged)
-            return {"peers": [str(peer) for peer in group_info.peer_ids]}
+            return {"peers": [str(peer) for peer in group_info.peer_ids], "group": group_info.group_id.hex()}
         except MatchmakingException:
             raise
         except BaseException as e:
@@ -318,6 +332,7 @@ class MergeResult:
     rounds_ok: int  # all-reduce rounds that group completed in full (TIES needs 2, simple 1)
     peers: tuple[str, ...] = ()  # the group's members (peer ids) when the merge succeeded
     error: Optional[str] = None
+    group: Optional[str] = None  # the group's id (hex) when the merge succeeded: names the merged state
 
     @property
     def ok(self) -> bool:
@@ -360,12 +375,13 @@ class _Merger:
                 for tensor, value in zip(tensors, inputs):
                     tensor.copy_(value)
             attempts_before = self.averager.last_attempt[_ATTEMPTS]
-            error, peers = None, ()
+            error, peers, group = None, (), None
             try:
                 control = self.averager.step(gather=gather, weight=1.0, timeout=timeout,
                                              allow_retries=allow_retries, wait=False)
                 outcome = self._wait(control, deadline=time.monotonic() + timeout + self.allreduce_timeout + 10)
                 peers = tuple(outcome["peers"]) if isinstance(outcome, dict) else ()
+                group = outcome.get("group") if isinstance(outcome, dict) else None
                 if not peers:
                     error = "no group"
             except Exception as e:  # hivemind raises what ended the step (no group, a failed round, ...)
@@ -373,7 +389,7 @@ class _Merger:
             attempts, rounds_ok, group_size = self.averager.last_attempt
             if attempts == attempts_before:
                 rounds_ok = group_size = 0  # no group formed in this merge
-            result = MergeResult(None, group_size, rounds_ok, peers, error)
+            result = MergeResult(None, group_size, rounds_ok, peers, error, group)
             if error is not None:
                 return None, result
             with self.averager.get_tensors() as tensors:
@@ -422,17 +438,21 @@ class TiesMerger(_Merger):
         super().__init__(dht, prefix, tensors_like, **kwargs)
 
     def merge(self, base: Sequence[torch.Tensor], replica: Sequence[torch.Tensor], *, timeout: float = 30.0,
-              allow_retries: bool = True) -> MergeResult:
+              allow_retries: bool = True, base_id: Optional[str] = None) -> MergeResult:
+        """`base_id` names the base for the group's agreement check (default: a digest of its
+        values). Merged results agree across members only to float32 rounding (each adds the
+        averaged delta to its own values), so a peer that merges repeatedly names its base by
+        the merge that made it (`MergeResult.group`) rather than by its bytes."""
         self._check(base, "base")
         self._check(replica, "replica")
         offsets = trim_offsets([r.detach().to(torch.float32) - b.detach().to(torch.float32)
                                 for b, r in zip(base, replica)], self.trim)
-        gather = self._gathered(trim=self.trim, base=_digest(base))
+        gather = self._gathered(trim=self.trim, base=base_id or _digest(base))
         offsets, result = self._run(offsets, gather, timeout, allow_retries)
         if offsets is None:
             return result
         merged = [(b.detach().to(torch.float32) + offset).to(b.dtype) for b, offset in zip(base, offsets)]
-        return MergeResult(merged, result.group_size, result.rounds_ok, result.peers)
+        return dataclasses.replace(result, merged=merged)
 
 
 class SimpleMerger(_Merger):
@@ -449,4 +469,4 @@ class SimpleMerger(_Merger):
         if mean is None:
             return result
         merged = [value.to(tensor.dtype) for tensor, value in zip(replica, mean)]
-        return MergeResult(merged, result.group_size, result.rounds_ok, result.peers)
+        return dataclasses.replace(result, merged=merged)

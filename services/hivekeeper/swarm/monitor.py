@@ -57,7 +57,7 @@ class Monitor:
         ctx = self.ctx
         ctx.start_endpoint()
         self.dht = ctx.make_dht(client_mode=True)  # it downloads state; nobody needs to dial it
-        self.state = TrainingStateAverager(
+        self.state = None if ctx.spec.averaging.merges_weights else TrainingStateAverager(
             dht=self.dht,
             optimizer=torch_optimizer_factory(ctx.spec.optimizer),
             scheduler=scheduler_factory(ctx.spec.optimizer),
@@ -83,7 +83,8 @@ class Monitor:
             exit_code = 1
         finally:
             self.history.close()
-            self.state.shutdown()
+            if self.state is not None:
+                self.state.shutdown()
             self.dht.shutdown()
             del hivemind
         return exit_code
@@ -154,6 +155,14 @@ class Monitor:
         return global_step > 0 and global_step >= max(self.eval_step, 0) + every
 
     def load_latest_state(self) -> int:
+        if self.state is None:  # replicas merge weights: the latest merged model
+            from hivekeeper.swarm.merging_peer import load_merged_state
+
+            spec = self.ctx.spec
+            optimizer = torch_optimizer_factory(spec.optimizer)(self.model.parameters()) \
+                if spec.averaging.merge_optimizer_state else None
+            metadata = load_merged_state(self.dht, self.ctx.run_id, self.model, optimizer)
+            return int(metadata["step"]) if metadata else max(self.eval_step, 0)
         self.state.load_state_from_peers(timeout=30.0)
         return self.state.local_epoch
 

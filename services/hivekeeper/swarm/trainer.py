@@ -86,6 +86,14 @@ def train(ctx: RoleContext) -> int:
     task = load_task(spec.task.name, spec.task.options, seed=spec.task.seed)
     model = task.build_model().to(device)
     dht = ctx.make_dht(client_mode=spec.trainers.client_mode)
+    if spec.averaging.merges_weights:
+        from hivekeeper.swarm.merging_trainer import train_merging
+
+        try:
+            train_merging(ctx, task, model, dht, batch_size, device, _batches(ctx, task, batch_size))
+        finally:
+            dht.shutdown()
+        return 0
     opt = make_collaborative_optimizer(spec, ctx.run_id, dht, model, ctx.metrics, batch_size=batch_size)
     follower = PlanFollower(dht, ctx.run_id, args.plan_signer, opt.grad_averager, ctx.metrics)
     trace = Trace(args.trace)
@@ -104,10 +112,14 @@ def train(ctx: RoleContext) -> int:
     return 0
 
 
+def _batches(ctx: RoleContext, task, batch_size: int) -> Iterator[list[int]]:
+    return index_stream(task.train_size, batch_size, seed=ctx.spec.task.seed * 10_007 + ctx.args.index + 1)
+
+
 def _loop(ctx: RoleContext, dht, opt, follower: PlanFollower, task, model, batch_size: int, device,
           trace: Trace) -> None:
     metrics = ctx.metrics
-    batches = index_stream(task.train_size, batch_size, seed=ctx.spec.task.seed * 10_007 + ctx.args.index + 1)
+    batches = _batches(ctx, task, batch_size)
     epoch_losses: list[float] = []  # losses of this peer's batches in the current step
     step_loss: dict[str, Any] = {}  # mean loss of the latest step this peer completed
     total_samples = 0
@@ -165,14 +177,19 @@ def _loop(ctx: RoleContext, dht, opt, follower: PlanFollower, task, model, batch
             time.sleep(ctx.args.step_delay)
 
 
+def recent_rate(window: list[tuple[float, int]], seconds: float = 10.0) -> float:
+    """Samples/s over the last `seconds` of (time, samples) records; drops older records."""
+    horizon = time.monotonic() - seconds
+    window[:] = [(t, n) for t, n in window if t >= horizon]
+    span = (window[-1][0] - window[0][0]) if len(window) > 1 else 0.0
+    return sum(n for _, n in window[1:]) / span if span > 0 else 0.0
+
+
 def _report(ctx: RoleContext, dht, opt, follower: PlanFollower, step_loss: dict[str, Any], total_samples: int,
             samples_window: list[tuple[float, int]]) -> None:
     computing = not opt.auxiliary
     if computing:  # an aggregator keeps its last rate: the balancer needs it to plan it back in
-        horizon = time.monotonic() - 10.0
-        samples_window[:] = [(t, n) for t, n in samples_window if t >= horizon]
-        span = (samples_window[-1][0] - samples_window[0][0]) if len(samples_window) > 1 else 0.0
-        rate = sum(n for _, n in samples_window[1:]) / span if span > 0 else 0.0
+        rate = recent_rate(samples_window)
         ctx.metrics.samples_per_second.set(rate)
     else:
         rate = ctx.status.get("samplesPerSecond", 0.0)

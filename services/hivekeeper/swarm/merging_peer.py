@@ -1,0 +1,243 @@
+"""A plain PyTorch training loop as a weight-merging peer (DDAP's wrapper, over hivemind).
+
+    peer = MergingPeer(model, optimizer, dht, prefix="my-run", mode="ties", merge_every=20)
+    peer.join()                      # start from the swarm's latest merged state, if any
+    for batch in loader:
+        loss(model, batch).backward()
+        optimizer.step(); optimizer.zero_grad()
+        peer.step()                  # merges with the peers that reach a merge too
+    peer.shutdown()
+
+Every `merge_every` local optimizer steps the peer merges its replica with whoever else is
+merging: `parameters` takes the arithmetic mean, `ties` a TIES merge against the last merged
+model (both from `hivekeeper.swarm.merging`, all or nothing). Optimizer moments travel in the
+same tensor list as the weights when `merge_optimizer_state` is on; step counters stay local.
+
+After each merge the peer shares the merged state (weights, moments, the TIES base, the step
+and merge counts) for others to download: a late joiner starts from it, and a TIES peer whose
+merge failed adopts its base. That matters: members must agree on the base (its name is in
+the gathered data), so one peer left on an old base would make every group it joins abandon
+the merge. The peer keeps its own weights; only the reference point moves. A base is named
+by the merge group that made it, not by its bytes: members' merged tensors agree only to
+float32 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional
+
+import torch
+
+from hivekeeper.swarm.merging import MergeResult, SimpleMerger, TiesMerger
+from hivekeeper.swarm.optimizer import reset_step_counters
+
+log = logging.getLogger("hivekeeper.merging_peer")
+
+MergeMode = Literal["parameters", "ties"]
+STATE_TIMEOUT = 30.0
+NON_NEGATIVE_STATE = {"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum"}  # Adam(W), RMSprop, Adagrad
+
+
+def init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's moments now (torch makes them at the first step), so that every
+    peer's tensor layout is fixed from the start. One step on zero gradients, then the weights
+    (weight decay moves them) and step counters are put back."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = [p.detach().clone() for p in params]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    with torch.no_grad():
+        for p, value, grad in zip(params, saved, grads):
+            p.copy_(value)
+            p.grad = grad
+    reset_step_counters(optimizer)
+
+
+def state_tensors(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The tensors a merge covers, in a fixed order: the parameters, then each parameter's
+    floating-point optimizer moments by name (step counters excluded)."""
+    tensors = [p for p in model.parameters()]
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                tensors += [state[k] for k in sorted(state) if k != "step"
+                            and isinstance(state[k], torch.Tensor) and state[k].is_floating_point()]
+    return tensors
+
+
+@dataclass(frozen=True)
+class MergeRecord:
+    """One merge attempt, for metrics and status."""
+
+    outcome: str  # success | failure
+    group_size: int
+    seconds: float
+    step: int
+    error: Optional[str] = None
+
+
+class MergingPeer:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dht: Any, prefix: str, *,
+                 mode: MergeMode = "parameters", merge_every: int = 10, trim: Optional[float] = None,
+                 merge_optimizer_state: bool = True, target_group_size: Optional[int] = None,
+                 matchmaking_seconds: float = 2.0, timeout_seconds: float = 30.0,
+                 on_merge: Optional[Callable[[MergeRecord], None]] = None):
+        if mode not in ("parameters", "ties"):
+            raise ValueError(f"mode must be 'parameters' or 'ties', got {mode!r}")
+        if merge_every < 1:
+            raise ValueError(f"merge_every must be at least 1, got {merge_every}")
+        if trim is not None and mode != "ties":
+            raise ValueError("trim applies to mode 'ties' only")
+        self.model, self.optimizer, self.mode, self.merge_every = model, optimizer, mode, merge_every
+        self.merge_optimizer_state = merge_optimizer_state
+        # A peer that finds no group gives up soon and trains on (merging at its next point):
+        # the others are busy merging, or gone. A formed group gets timeout_seconds to finish.
+        self.timeout = 3 * matchmaking_seconds + 1.0
+        self.on_merge = on_merge
+        if merge_optimizer_state:
+            init_optimizer_state(model, optimizer)
+        tensors = self._tensors()
+        self.base = [t.detach().clone() for t in tensors]  # the last merged state: TIES's reference point
+        self.base_id = "initial"  # which merge made the base (members must agree on it, see the docstring)
+        self.local_steps = 0
+        self.merges = 0
+        self.last_merge: Optional[MergeRecord] = None
+        options = dict(target_group_size=target_group_size, min_matchmaking_time=matchmaking_seconds,
+                       request_timeout=min(3.0, matchmaking_seconds / 2), allreduce_timeout=timeout_seconds)
+        merger_prefix = f"{prefix}_merge"
+        self.merger = (TiesMerger(dht, merger_prefix, tensors, trim=trim, **options) if mode == "ties"
+                       else SimpleMerger(dht, merger_prefix, tensors, **options))
+        self._share()
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return state_tensors(self.model, self.optimizer if self.merge_optimizer_state else None)
+
+    def join(self) -> bool:
+        """Start from the latest merged state any peer shares; False when there is none yet."""
+        state = self._download()
+        if state is None:
+            return False
+        metadata, tensors = state
+        count = len(self.base)
+        self._assign(tensors[:count])
+        self.base = [t.clone() for t in tensors[count:]]
+        self.base_id = metadata["baseId"]
+        self.local_steps, self.merges = int(metadata["step"]), int(metadata["merges"])
+        self._share()
+        log.info("joined from the merged state", extra={"fields": {"step": self.local_steps, "merges": self.merges}})
+        return True
+
+    def step(self) -> Optional[MergeRecord]:
+        """Call after each optimizer step; merges when one is due and returns what happened."""
+        self.local_steps += 1
+        if self.local_steps % self.merge_every:
+            return None
+        return self.merge()
+
+    def merge(self) -> MergeRecord:
+        started = time.perf_counter()
+        replica = [t.detach().clone() for t in self._tensors()]
+        result: MergeResult = (self.merger.merge(self.base, replica, timeout=self.timeout, base_id=self.base_id)
+                               if self.mode == "ties"
+                               else self.merger.merge(replica, timeout=self.timeout))
+        if result.ok and not all(bool(torch.isfinite(t).all()) for t in result.merged):
+            result = dataclasses.replace(result, merged=None, error="the merged state is not finite")
+        if result.ok:
+            self._assign(result.merged)
+            self.base = [t.detach().clone() for t in result.merged]
+            self.base_id = result.group
+            self.merges += 1
+            self._share()
+        elif self.mode == "ties":
+            self._adopt_base()
+        record = MergeRecord("success" if result.ok else "failure", result.group_size if result.ok else 0,
+                             time.perf_counter() - started, self.local_steps, result.error)
+        self.last_merge = record
+        if self.on_merge:
+            self.on_merge(record)
+        return record
+
+    def _adopt_base(self) -> None:
+        state = self._download()
+        if state is not None:
+            metadata, tensors = state
+            base = tensors[len(self.base):]
+            if int(metadata["merges"]) >= self.merges and base:
+                self.base = [t.clone() for t in base]
+                self.base_id = metadata["baseId"]
+                self.merges = int(metadata["merges"])
+                self._share()
+
+    def _download(self) -> Optional[tuple[dict[str, Any], list[torch.Tensor]]]:
+        loaded = self.merger.averager.load_state_from_peers(timeout=STATE_TIMEOUT)
+        if loaded is None:
+            return None
+        metadata, tensors = loaded
+        expected = [tuple(t.shape) for t in self.base] * 2
+        if not isinstance(metadata, dict) or [tuple(t.shape) for t in tensors] != expected:
+            log.warning("ignoring a peer's merged state with another layout")
+            return None
+        return metadata, list(tensors)
+
+    def _assign(self, values: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for tensor, value in zip(self._tensors(), values):
+                tensor.copy_(value)
+            # A TIES merge keeps a second moment >= 0 in exact arithmetic (each replica's is),
+            # but members' bases differ by float32 rounding, so a moment near 0 can come out
+            # a hair below it, and Adam's sqrt would turn it into NaN.
+            for state in self.optimizer.state.values():
+                for key in NON_NEGATIVE_STATE & state.keys():
+                    state[key].clamp_(min=0)
+
+    def _share(self) -> None:
+        """Offer (current weights and moments, base) to joiners, preferring the most merged peer."""
+        tensors = [t.detach().clone() for t in self._tensors()] + self.base
+        self.merger.averager.share_state({"step": self.local_steps, "merges": self.merges, "baseId": self.base_id},
+                                         tensors)
+        self.merger.averager.state_sharing_priority = float(self.merges) + 1.0
+
+    def shutdown(self) -> None:
+        self.merger.shutdown()
+
+
+def load_merged_state(dht: Any, prefix: str, model: torch.nn.Module,
+                      optimizer: Optional[torch.optim.Optimizer]) -> Optional[dict[str, Any]]:
+    """Download the latest merged weights into `model` (for a monitor: it takes no part in
+    merges); `optimizer` (or None) must be what the trainers merge, for the layout. Returns
+    the state's metadata (step, merges), or None when no peer shares one."""
+    from hivekeeper.swarm.merging import SIMPLE, MergingAverager
+
+    if optimizer is not None:
+        init_optimizer_state(model, optimizer)
+    tensors = state_tensors(model, optimizer)
+    averager = MergingAverager([torch.zeros_like(t) for t in tensors], dht, kind=SIMPLE, prefix=f"{prefix}_merge",
+                               client_mode=True, start=True)
+    try:
+        loaded = averager.load_state_from_peers(timeout=STATE_TIMEOUT)
+    finally:
+        averager.shutdown()
+    if loaded is None:
+        return None
+    metadata, values = loaded
+    if [tuple(v.shape) for v in values] != [tuple(t.shape) for t in tensors] * 2:
+        raise ValueError("a peer shared merged state with another layout than this model's")
+    with torch.no_grad():
+        for tensor, value in zip(tensors, values):
+            tensor.copy_(value)
+    return dict(metadata)
+
+    def __enter__(self) -> "MergingPeer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

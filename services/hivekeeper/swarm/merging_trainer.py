@@ -1,0 +1,118 @@
+"""The trainer role when a Swarm merges weights (averaging.mode parameters or ties): each
+replica trains alone with a local optimizer and merges with the others every mergeEvery
+steps (DDAP), through `MergingPeer`. Reports the same fields as the gradient trainer, with
+`epoch` counting this replica's optimizer steps."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from hivekeeper.swarm.common import RoleContext
+from hivekeeper.swarm.merging_peer import MergeRecord, MergingPeer
+from hivekeeper.swarm.optimizer import scheduler_factory, torch_optimizer_factory
+from hivekeeper.swarm.trainer import recent_rate
+
+log = logging.getLogger("hivekeeper.trainer")
+REPORT_INTERVAL = 1.0
+
+
+def merge_interval(spec, train_size: int, batch_size: int) -> int:
+    """Local steps between merges: mergeEverySteps, or mergeEveryEpochs of this replica's passes."""
+    averaging = spec.averaging
+    if averaging.merge_every_steps is not None:
+        return averaging.merge_every_steps
+    if averaging.merge_every_epochs is not None:
+        return max(1, math.ceil(averaging.merge_every_epochs * train_size / batch_size))
+    return 10
+
+
+def train_merging(ctx: RoleContext, task, model: torch.nn.Module, dht, batch_size: int, device,
+                  batches) -> None:
+    spec, metrics = ctx.spec, ctx.metrics
+    averaging = spec.averaging
+    optimizer = torch_optimizer_factory(spec.optimizer)(model.parameters())
+    make_scheduler = scheduler_factory(spec.optimizer)
+    scheduler = make_scheduler(optimizer) if make_scheduler else None
+
+    def record(merge: MergeRecord) -> None:
+        metrics.averaging_rounds.labels(merge.outcome).inc()
+        if merge.outcome == "success":
+            metrics.averaging_round_duration.observe(merge.seconds)
+            metrics.averaging_group_size.set(merge.group_size)
+        else:
+            log.warning("merge failed", extra={"fields": {"step": merge.step, "error": merge.error}})
+
+    every = merge_interval(spec, task.train_size, batch_size)
+    peer = MergingPeer(model, optimizer, dht, ctx.run_id, mode=averaging.mode, merge_every=every,
+                       trim=averaging.trim, merge_optimizer_state=averaging.merge_optimizer_state,
+                       target_group_size=averaging.target_group_size,
+                       matchmaking_seconds=averaging.matchmaking_seconds,
+                       timeout_seconds=averaging.timeout_seconds, on_merge=record)
+    try:
+        joined = peer.join()
+        log.info("merging trainer started", extra={"fields": {"mode": averaging.mode, "merge_every": every,
+                                                              "joined_at_step": peer.local_steps if joined else 0}})
+        ctx.endpoint.ready.set()
+        losses: list[float] = []
+        interval_loss: dict[str, Any] = {}
+        window: list[tuple[float, int]] = []
+        total_samples, last_report = 0, 0.0
+        model.train()
+        while not ctx.stop.is_set():
+            if time.monotonic() - last_report >= REPORT_INTERVAL:
+                last_report = time.monotonic()
+                stop = ctx.stop_requested(dht)
+                if stop is not None:
+                    log.info("stop requested by the monitor", extra={"fields": {"stop": stop}})
+                    break
+                _report(ctx, dht, peer, interval_loss, total_samples, window)
+            batch = task.to_device(task.train_batch(next(batches)), device)
+            loss = task.loss(model, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            if scheduler is not None:
+                scheduler.step()
+            losses.append(loss.item())
+            merged = peer.step()
+            if merged is not None:  # one loss figure per merge interval
+                interval_loss.update(step=peer.local_steps, loss=float(np.mean(losses)))
+                metrics.loss.set(interval_loss["loss"])
+                losses.clear()
+            metrics.samples.inc(batch_size)
+            total_samples += batch_size
+            window.append((time.monotonic(), batch_size))
+            metrics.local_step.set(peer.local_steps)
+            metrics.global_step.set(peer.local_steps)
+            if ctx.args.step_delay:
+                time.sleep(ctx.args.step_delay)
+    finally:
+        peer.shutdown()
+    log.info("merging trainer stopped", extra={"fields": {"step": peer.local_steps, "merges": peer.merges}})
+
+
+def _report(ctx: RoleContext, dht, peer: MergingPeer, interval_loss: dict[str, Any], total_samples: int,
+            window: list[tuple[float, int]]) -> None:
+    rate = recent_rate(window)
+    ctx.metrics.samples_per_second.set(rate)
+    last = peer.last_merge
+    report = dict(
+        epoch=peer.local_steps,
+        globalEpoch=peer.local_steps,
+        loss=interval_loss.get("loss"),
+        lossStep=interval_loss.get("step"),
+        samplesPerSecond=rate,
+        samples=total_samples,
+        merges=peer.merges,
+        lastRound=None if last is None else dict(outcome=last.outcome, groupSize=last.group_size,
+                                                 seconds=round(last.seconds, 4), epoch=last.step, time=time.time()),
+        computesGradients=True,
+    )
+    ctx.status.update(report)
+    ctx.publish_report(dht, report)
