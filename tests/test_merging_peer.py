@@ -129,3 +129,49 @@ def test_a_ties_peer_that_missed_a_merge_adopts_the_base_and_merges_again(dhts, 
     finally:
         for peer in peers:
             peer.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_model_shifting_moves_each_replica_to_the_next_peer_in_the_ring(dhts, no_leaked_p2pd):
+    models = []
+    for i in range(3):
+        torch.manual_seed(i)  # three different replicas
+        models.append(torch.nn.Linear(4, 2))
+    # lr 0: steps leave the weights alone, so what moves is exactly what was shifted
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.0) for m in models]
+    before = [[p.detach().clone() for p in m.parameters()] for m in models]
+    peers = [MergingPeer(m, opt, dht, "shift-test", merge_every=100, shift_every=2, matchmaking_seconds=2.0)
+             for m, opt, dht in zip(models, optimizers, dhts)]
+    try:
+        def two_steps(peer, model, optimizer) -> None:
+            for _ in range(2):
+                model(torch.ones(1, 4)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                peer.step()
+
+        threads = [threading.Thread(target=two_steps, args=args) for args in zip(peers, models, optimizers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        ring = sorted(peer.shifter.peer_id for peer in peers)
+        index_of = {peer.shifter.peer_id: i for i, peer in enumerate(peers)}
+        for position, peer_id in enumerate(ring):
+            me, predecessor = index_of[peer_id], index_of[ring[position - 1]]
+            assert peers[me].shifts == 1
+            for now, then in zip(models[me].parameters(), before[predecessor]):
+                assert torch.equal(now, then), f"peer {me} continues peer {predecessor}'s replica"
+    finally:
+        for peer in peers:
+            peer.shutdown()
+
+
+def test_a_garbage_shift_payload_is_refused():
+    from hivekeeper.swarm.model_shifting import deserialize, serialize
+
+    like = [torch.zeros(2, 3), torch.zeros(4)]
+    assert [t.shape for t in deserialize(serialize(like), like)] == [(2, 3), (4,)]
+    for payload in (b"garbage", serialize([torch.zeros(3, 2)]), serialize(like[:1])):
+        with pytest.raises(ValueError):
+            deserialize(payload, like)

@@ -105,6 +105,8 @@ class AveragingSpec(SpecModel):
     trim: Optional[float] = Field(
         None, gt=0, le=1, description="ties: keep this fraction of each offset's largest magnitudes (default: no trim)")
     merge_optimizer_state: StrictBool = Field(True, description="merge optimizer moments along with the weights")
+    shift_every_steps: Optional[int] = Field(
+        None, ge=1, description="model shifting: between merges, replicas move one place around a ring every N steps")
 
     @property
     def merges_weights(self) -> bool:
@@ -112,7 +114,8 @@ class AveragingSpec(SpecModel):
 
     @model_validator(mode="after")
     def _merge_fields(self) -> "AveragingSpec":
-        merge_fields = self.model_fields_set & {"merge_every_steps", "merge_every_epochs", "merge_optimizer_state"}
+        merge_fields = self.model_fields_set & {"merge_every_steps", "merge_every_epochs", "merge_optimizer_state",
+                                                "shift_every_steps"}
         if not self.merges_weights and merge_fields:
             names = ", ".join(sorted(self.model_fields[f].alias or f for f in merge_fields))
             raise ValueError(f"{names}: only for mode parameters or ties (mode is gradients)")
@@ -120,6 +123,10 @@ class AveragingSpec(SpecModel):
             raise ValueError(f"trim: only for mode ties (mode is {self.mode})")
         if self.merge_every_steps is not None and self.merge_every_epochs is not None:
             raise ValueError("set mergeEverySteps or mergeEveryEpochs, not both")
+        if self.shift_every_steps is not None and self.shift_every_steps >= (self.merge_every_steps or 10) \
+                and self.merge_every_epochs is None:
+            raise ValueError(f"shiftEverySteps ({self.shift_every_steps}) must be below mergeEverySteps "
+                             f"({self.merge_every_steps or 10}): shifts happen between merges")
         return self
 
 

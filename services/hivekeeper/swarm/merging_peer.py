@@ -12,6 +12,8 @@ Every `merge_every` local optimizer steps the peer merges its replica with whoev
 merging: `parameters` takes the arithmetic mean, `ties` a TIES merge against the last merged
 model (both from `hivekeeper.swarm.merging`, all or nothing). Optimizer moments travel in the
 same tensor list as the weights when `merge_optimizer_state` is on; step counters stay local.
+With `shift_every`, replicas also move one place around a ring every that many steps between
+merges (model shifting, `hivekeeper.swarm.model_shifting`).
 
 After each merge the peer shares the merged state (weights, moments, the TIES base, the step
 and merge counts) for others to download: a late joiner starts from it, and a TIES peer whose
@@ -33,6 +35,7 @@ from typing import Any, Callable, Literal, Optional
 import torch
 
 from hivekeeper.swarm.merging import MergeResult, SimpleMerger, TiesMerger
+from hivekeeper.swarm.model_shifting import ModelShifter
 from hivekeeper.swarm.optimizer import reset_step_counters
 
 log = logging.getLogger("hivekeeper.merging_peer")
@@ -88,7 +91,8 @@ class MergeRecord:
 class MergingPeer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dht: Any, prefix: str, *,
                  mode: MergeMode = "parameters", merge_every: int = 10, trim: Optional[float] = None,
-                 merge_optimizer_state: bool = True, target_group_size: Optional[int] = None,
+                 merge_optimizer_state: bool = True, shift_every: Optional[int] = None,
+                 target_group_size: Optional[int] = None,
                  matchmaking_seconds: float = 2.0, timeout_seconds: float = 30.0,
                  on_merge: Optional[Callable[[MergeRecord], None]] = None):
         if mode not in ("parameters", "ties"):
@@ -97,6 +101,8 @@ class MergingPeer:
             raise ValueError(f"merge_every must be at least 1, got {merge_every}")
         if trim is not None and mode != "ties":
             raise ValueError("trim applies to mode 'ties' only")
+        if shift_every is not None and not 1 <= shift_every < merge_every:
+            raise ValueError(f"shift_every must be between 1 and merge_every - 1, got {shift_every}")
         self.model, self.optimizer, self.mode, self.merge_every = model, optimizer, mode, merge_every
         self.merge_optimizer_state = merge_optimizer_state
         # A peer that finds no group gives up soon and trains on (merging at its next point):
@@ -109,7 +115,10 @@ class MergingPeer:
         self.base = [t.detach().clone() for t in tensors]  # the last merged state: TIES's reference point
         self.base_id = "initial"  # which merge made the base (members must agree on it, see the docstring)
         self.local_steps = 0
-        self.merges = 0
+        self.merges = self.shifts = 0
+        self.shift_every = shift_every
+        self.shifter = ModelShifter(dht, prefix, rendezvous_seconds=matchmaking_seconds,
+                                    timeout=timeout_seconds) if shift_every else None
         self.last_merge: Optional[MergeRecord] = None
         options = dict(target_group_size=target_group_size, min_matchmaking_time=matchmaking_seconds,
                        request_timeout=min(3.0, matchmaking_seconds / 2), allreduce_timeout=timeout_seconds)
@@ -139,9 +148,22 @@ class MergingPeer:
     def step(self) -> Optional[MergeRecord]:
         """Call after each optimizer step; merges when one is due and returns what happened."""
         self.local_steps += 1
-        if self.local_steps % self.merge_every:
-            return None
-        return self.merge()
+        if self.local_steps % self.merge_every == 0:
+            return self.merge()
+        if self.shift_every and self.local_steps % self.shift_every == 0:
+            self.shift()
+        return None
+
+    def shift(self) -> bool:
+        """Continue from the ring predecessor's replica (model shifting); False if none came."""
+        got = self.shifter.shift(self.local_steps, [t.detach().clone() for t in self._tensors()])
+        if got is None:
+            return False
+        tensors, predecessor = got
+        self._assign(tensors)
+        self.shifts += 1
+        log.info("shifted", extra={"fields": {"step": self.local_steps, "from": predecessor}})
+        return True
 
     def merge(self) -> MergeRecord:
         started = time.perf_counter()

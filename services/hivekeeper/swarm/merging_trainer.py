@@ -51,6 +51,7 @@ def train_merging(ctx: RoleContext, task, model: torch.nn.Module, dht, batch_siz
     every = merge_interval(spec, task.train_size, batch_size)
     peer = MergingPeer(model, optimizer, dht, ctx.run_id, mode=averaging.mode, merge_every=every,
                        trim=averaging.trim, merge_optimizer_state=averaging.merge_optimizer_state,
+                       shift_every=averaging.shift_every_steps,
                        target_group_size=averaging.target_group_size,
                        matchmaking_seconds=averaging.matchmaking_seconds,
                        timeout_seconds=averaging.timeout_seconds, on_merge=record)
@@ -110,6 +111,7 @@ def _report(ctx: RoleContext, dht, peer: MergingPeer, interval_loss: dict[str, A
         samplesPerSecond=rate,
         samples=total_samples,
         merges=peer.merges,
+        shifts=peer.shifts,
         lastRound=None if last is None else dict(outcome=last.outcome, groupSize=last.group_size,
                                                  seconds=round(last.seconds, 4), epoch=last.step, time=time.time()),
         computesGradients=True,
