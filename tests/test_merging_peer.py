@@ -70,8 +70,8 @@ def test_replicas_merge_and_a_late_joiner_starts_from_the_merged_state(dhts, no_
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)  # a joiner whose weights differ
-        joiner = MergingPeer(model, opt, dhts[2], "merge-test", mode=mode, merge_every=EVERY)
-        assert joiner.join()
+        joiner = MergingPeer.connect(model, opt, [str(a) for a in dhts[0].get_visible_maddrs()], "merge-test",
+                                     host="127.0.0.1", mode=mode, merge_every=EVERY)  # its own DHT; joins
         assert (joiner.local_steps, joiner.merges) == (STEPS, 2)
         for a, b in zip(state_tensors(model, opt), first):
             assert torch.allclose(a, b, atol=1e-6)

@@ -1,7 +1,7 @@
 """A plain PyTorch training loop as a weight-merging peer (DDAP's wrapper, over hivemind).
 
-    peer = MergingPeer(model, optimizer, dht, prefix="my-run", mode="ties", merge_every=20)
-    peer.join()                      # start from the swarm's latest merged state, if any
+    peer = MergingPeer.connect(model, optimizer, initial_peers, prefix="my-run", mode="ties", merge_every=20)
+                                     # starts from the swarm's latest merged state, if any
     for batch in loader:
         loss(model, batch).backward()
         optimizer.step(); optimizer.zero_grad()
@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 
@@ -114,6 +114,7 @@ class MergingPeer:
         tensors = self._tensors()
         self.base = [t.detach().clone() for t in tensors]  # the last merged state: TIES's reference point
         self.base_id = "initial"  # which merge made the base (members must agree on it, see the docstring)
+        self._own_dht: Any = None  # set by `connect`
         self.local_steps = 0
         self.merges = self.shifts = 0
         self.shift_every = shift_every
@@ -126,6 +127,23 @@ class MergingPeer:
         self.merger = (TiesMerger(dht, merger_prefix, tensors, trim=trim, **options) if mode == "ties"
                        else SimpleMerger(dht, merger_prefix, tensors, **options))
         self._share()
+
+    @classmethod
+    def connect(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, initial_peers: Sequence[str],
+                prefix: str, *, host: str = "0.0.0.0", **options: Any) -> "MergingPeer":
+        """A peer with a DHT of its own, bootstrapped from `initial_peers` (e.g. a Swarm's backbone
+        multiaddrs), that starts from the latest merged state; `shutdown` stops the DHT too."""
+        import hivemind
+
+        dht = hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
+        try:
+            peer = cls(model, optimizer, dht, prefix, **options)
+        except BaseException:
+            dht.shutdown()
+            raise
+        peer._own_dht = dht
+        peer.join()
+        return peer
 
     def _tensors(self) -> list[torch.Tensor]:
         return state_tensors(self.model, self.optimizer if self.merge_optimizer_state else None)
@@ -230,6 +248,9 @@ class MergingPeer:
 
     def shutdown(self) -> None:
         self.merger.shutdown()
+        if self._own_dht is not None:
+            self._own_dht.shutdown()
+            self._own_dht = None
 
 
 def load_merged_state(dht: Any, prefix: str, model: torch.nn.Module,
