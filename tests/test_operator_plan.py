@@ -43,7 +43,9 @@ def plan_for(path: Path, **kwargs):
     manifest = load_manifest(path)
     peers = [PEER] * manifest.spec.backbone.replicas
     keys = {f"backbone-{i}.key": "a2V5" for i in range(manifest.spec.backbone.replicas)}
-    return manifest, plan_swarm(owner(manifest.metadata.name), manifest, peers, keys, SETTINGS, balancer_id=PEER, **kwargs)
+    balancer = PEER if manifest.spec.balancer.enabled else None
+    return manifest, plan_swarm(owner(manifest.metadata.name), manifest, peers, keys, SETTINGS, balancer_id=balancer,
+                                **kwargs)
 
 
 EXAMPLE_PATHS = sorted(EXAMPLES.glob("*.yaml"))
@@ -70,7 +72,7 @@ def test_planned_children_are_valid_kubernetes_objects(path):
     long_name = load_manifest(path)
     long_name.metadata.name = "x" * 40
     for child in plan_swarm(owner(long_name.metadata.name), long_name, [PEER] * long_name.spec.backbone.replicas,
-                            {}, SETTINGS, balancer_id=PEER).children:
+                            {}, SETTINGS, balancer_id=PEER if long_name.spec.balancer.enabled else None).children:
         if child["kind"] == "StatefulSet":
             assert len(child["metadata"]["name"]) <= 52  # room for "-<controller-revision-hash>"
         kubernetes_validate.validate(child, "1.33.0", strict=True)

@@ -12,10 +12,6 @@ from typing import Callable
 KeyGenerator = Callable[[], bytes]
 
 
-def key_name(index: int) -> str:
-    return f"backbone-{index}.key"
-
-
 def generate_key() -> bytes:
     """A fresh libp2p private key, serialized as hivemind writes identity files."""
     from hivemind.proto import crypto_pb2
@@ -31,20 +27,23 @@ def peer_id(key: bytes) -> str:
     return PeerID.from_identity(key).to_base58()
 
 
-BALANCER_KEY = "balancer-0.key"
-
-
 def ensure_keys(existing: dict[str, str] | None, replicas: int, generate: KeyGenerator = generate_key,
                 balancer: bool = False) -> tuple[dict[str, str], list[str], str | None]:
     """Secret `data` holding a key for every backbone index below `replicas` (existing keys are
     kept as they are, also those above it, so scaling down and up again keeps IDs) and, with
     `balancer`, the balancer's plan-signing key; the peer IDs of backbone indices
     0..replicas-1, and the balancer's."""
+    names = [f"backbone-{index}" for index in range(replicas)] + (["balancer-0"] if balancer else [])
+    data, ids = ensure_role_keys(existing, names, generate)
+    return data, [ids[f"backbone-{index}"] for index in range(replicas)], ids.get("balancer-0")
+
+
+def ensure_role_keys(existing: dict[str, str] | None, role_names: list[str],
+                     generate: KeyGenerator = generate_key) -> tuple[dict[str, str], dict[str, str]]:
+    """Secret `data` with a key (ROLE.key) for every role in `role_names`, existing keys kept
+    (also those of roles not named), and the peer ID of each named role."""
     data = dict(existing or {})
-    names = [key_name(index) for index in range(replicas)] + ([BALANCER_KEY] if balancer else [])
-    for name in names:
-        if name not in data:
-            data[name] = base64.b64encode(generate()).decode()
-    ids = [peer_id(base64.b64decode(data[key_name(index)])) for index in range(replicas)]
-    balancer_id = peer_id(base64.b64decode(data[BALANCER_KEY])) if balancer else None
-    return data, ids, balancer_id
+    for name in role_names:
+        if f"{name}.key" not in data:
+            data[f"{name}.key"] = base64.b64encode(generate()).decode()
+    return data, {name: peer_id(base64.b64decode(data[f"{name}.key"])) for name in role_names}

@@ -12,10 +12,6 @@ RUN_DIR = "/var/lib/hivekeeper"
 POD_IP_VARIABLE = "$(POD_IP)"
 
 
-def backbone_service(swarm: str) -> str:
-    return f"{swarm}-backbone"
-
-
 class KubernetesNetwork:
     listen_host = "0.0.0.0"
 
@@ -27,12 +23,12 @@ class KubernetesNetwork:
     def port(self, role_name: str, port_name: str) -> int:
         return P2P_PORT if port_name == "p2p" else METRICS_PORT
 
-    def backbone_host(self, index: int) -> str:
-        service = backbone_service(self.swarm)
+    def backbone_host(self, index: int, component: str = "backbone") -> str:
+        service = f"{self.swarm}-{component}"
         return f"{service}-{index}.{service}.{self.namespace}.svc.{self.cluster_domain}"
 
-    def backbone_maddr(self, index: int, port: int, peer_id: str) -> str:
-        return f"/dns4/{self.backbone_host(index)}/tcp/{port}/p2p/{peer_id}"
+    def backbone_maddr(self, index: int, port: int, peer_id: str, component: str = "backbone") -> str:
+        return f"/dns4/{self.backbone_host(index, component)}/tcp/{port}/p2p/{peer_id}"
 
     def identity_path(self, role_name: str) -> str:
         return f"{KEYS_DIR}/{role_name}.key"

@@ -454,17 +454,32 @@ def swarm_status(*, generation: int | None, previous: dict[str, Any] | None, now
     monitor_failed = job_finished(observed.workloads.get("monitor")) == "Failed"
     not_ready = [f"{STATUS_KEY[c]} {r['ready']}/{r['desired']}" for c, r in roles.items() if r["ready"] < r["desired"]]
     rolling = [STATUS_KEY[c] for c in STATEFUL if rolling_out(observed.workloads.get(c), plan.replicas[c])]
+    running = roles["backbone"]["ready"] >= 1 and (roles["trainer"]["ready"] >= 1 or roles["trainer"]["desired"] == 0)
+    status.update(lifecycle(
+        previous=previous, generation=generation, now=now, settings=settings, completed=completed,
+        completed_message="the monitor finished the run; peers were stopped",
+        failed=f"the monitor Job failed {MONITOR_BACKOFF_LIMIT} times" if monitor_failed else None,
+        failed_reason="MonitorFailed", running=running, not_ready=not_ready, rolling=rolling,
+        ready_total=ready_total, desired_total=desired_total, error=observed.error,
+        error_reason=observed.error_reason))
+    status.update(_monitor_figures(observed.monitor, previous, now))
+    return status
 
+
+def lifecycle(*, previous: dict[str, Any], generation: int | None, now: str, settings: WorkloadSettings,
+              completed: bool, completed_message: str, failed: str | None, failed_reason: str, running: bool,
+              not_ready: list[str], rolling: list[str], ready_total: int, desired_total: int,
+              error: str | None, error_reason: str) -> dict[str, Any]:
+    """phase and the Ready / Progressing / Degraded conditions, the same for every kind."""
     if completed:
         phase = "Succeeded"
-        ready = Cond("Ready", False, "Completed", "the monitor finished the run; peers were stopped")
+        ready = Cond("Ready", False, "Completed", completed_message)
         progressing = Cond("Progressing", False, "Completed", "")
-    elif monitor_failed:
+    elif failed:
         phase = "Failed"
-        ready = Cond("Ready", False, "MonitorFailed", f"the monitor Job failed {MONITOR_BACKOFF_LIMIT} times")
-        progressing = Cond("Progressing", False, "MonitorFailed", "")
+        ready = Cond("Ready", False, failed_reason, failed)
+        progressing = Cond("Progressing", False, failed_reason, "")
     else:
-        running = roles["backbone"]["ready"] >= 1 and (roles["trainer"]["ready"] >= 1 or roles["trainer"]["desired"] == 0)
         phase = "Running" if running else "Pending"
         if not_ready:
             ready = Cond("Ready", False, "PeersNotReady", "not ready: " + ", ".join(not_ready))
@@ -477,21 +492,17 @@ def swarm_status(*, generation: int | None, previous: dict[str, Any] | None, now
         else:
             progressing = Cond("Progressing", False, "Stable", "every role runs its current configuration")
 
-    if observed.error:
-        degraded = Cond("Degraded", True, observed.error_reason, observed.error)
-    elif monitor_failed:
-        degraded = Cond("Degraded", True, "MonitorFailed", ready.message)
+    if error:
+        degraded = Cond("Degraded", True, error_reason, error)
+    elif failed:
+        degraded = Cond("Degraded", True, failed_reason, failed)
     elif progressing.status and seconds_in_state(previous, "Progressing", "True", now) > settings.progress_deadline_seconds:
         degraded = Cond("Degraded", True, "ProgressDeadlineExceeded",
                         f"no steady state after {int(settings.progress_deadline_seconds)}s: {progressing.message}")
     else:
         degraded = Cond("Degraded", False, "AsExpected", "")
-    status["phase"] = phase
-    status["conditions"] = render_conditions([ready, progressing, degraded], previous.get("conditions"),
-                                             generation, now)
-
-    status.update(_monitor_figures(observed.monitor, previous, now))
-    return status
+    return {"phase": phase,
+            "conditions": render_conditions([ready, progressing, degraded], previous.get("conditions"), generation, now)}
 
 
 def _monitor_figures(reading: dict[str, Any] | None, previous: dict[str, Any], now: str) -> dict[str, Any]:

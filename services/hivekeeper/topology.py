@@ -35,8 +35,9 @@ class Network(Protocol):
     def port(self, role_name: str, port_name: str) -> int:
         """The port a role listens on; 0 lets the OS choose (only for ports nobody dials)."""
 
-    def backbone_maddr(self, index: int, port: int, peer_id: str) -> str:
-        """The multiaddr other peers dial to reach backbone `index`."""
+    def backbone_maddr(self, index: int, port: int, peer_id: str, component: str = "backbone") -> str:
+        """The multiaddr other peers dial to reach backbone `index` (of the backbone-like
+        `component`: every kind's bootstrap peers, named backbone...)."""
 
     def identity_path(self, role_name: str) -> str:
         """Where a role with a stable identity keeps its private key."""

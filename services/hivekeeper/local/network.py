@@ -32,7 +32,7 @@ class LocalNetwork:
             self._ports[key] = port
         return self._ports[key]
 
-    def backbone_maddr(self, index: int, port: int, peer_id: str) -> str:
+    def backbone_maddr(self, index: int, port: int, peer_id: str, component: str = "backbone") -> str:
         return f"/ip4/{self.listen_host}/tcp/{port}/p2p/{peer_id}"
 
     def identity_path(self, role_name: str) -> str:
