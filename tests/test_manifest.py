@@ -7,7 +7,7 @@ import pytest
 
 from conftest import EXAMPLES, write_manifest
 from hivekeeper.cli import main
-from hivekeeper.spec import load_manifest
+from hivekeeper.spec import load_manifest, parse_manifest
 from hivekeeper.spec.swarm import SwarmSpec
 
 
@@ -15,6 +15,16 @@ from hivekeeper.spec.swarm import SwarmSpec
 def test_examples_are_valid(path):
     manifest = load_manifest(path)
     assert isinstance(manifest.spec, SwarmSpec)
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_the_rendered_manifest_every_role_reads_parses_to_the_same(path):
+    """Roles read the manifest as `hivekeeper up` and the operator render it: every default
+    stated. Reading it back must give the same spec (a validator that treats a stated default
+    as a user's choice would stop every role)."""
+    manifest = load_manifest(path)
+    rendered = manifest.model_dump(by_alias=True, mode="json", exclude_none=True)
+    assert parse_manifest(rendered).spec == manifest.spec
 
 
 def test_defaults_make_a_short_manifest_work(tmp_path):

@@ -114,10 +114,12 @@ class AveragingSpec(SpecModel):
 
     @model_validator(mode="after")
     def _merge_fields(self) -> "AveragingSpec":
-        merge_fields = self.model_fields_set & {"merge_every_steps", "merge_every_epochs", "merge_optimizer_state",
-                                                "shift_every_steps"}
+        # Fields away from their defaults (a rendered manifest states every default: not an error).
+        merge_fields = {name for name in ("merge_every_steps", "merge_every_epochs", "merge_optimizer_state",
+                                          "shift_every_steps")
+                        if getattr(self, name) != type(self).model_fields[name].default}
         if not self.merges_weights and merge_fields:
-            names = ", ".join(sorted(self.model_fields[f].alias or f for f in merge_fields))
+            names = ", ".join(sorted(type(self).model_fields[f].alias or f for f in merge_fields))
             raise ValueError(f"{names}: only for mode parameters or ties (mode is gradients)")
         if self.trim is not None and self.mode != "ties":
             raise ValueError(f"trim: only for mode ties (mode is {self.mode})")
