@@ -3,6 +3,7 @@ schemas (kubernetes-validate --strict). helm comes from scripts/get-helm.sh (.to
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -51,7 +52,8 @@ def test_helm_lint_is_clean():
 VALUE_SETS = {
     "defaults": (),
     "namespaced": ("watchNamespaces={ml,research}",),
-    "monitoring": ("serviceMonitor.enabled=true", "swarmServiceMonitors=off", "imagePullSecrets={regcred}"),
+    "monitoring": ("serviceMonitor.enabled=true", "swarmServiceMonitors=off", "imagePullSecrets={regcred}",
+                   "grafanaDashboards.enabled=true"),
     "gpu-image": ("swarmImage.repository=registry.example/hivekeeper-cuda", "swarmImage.tag=0.1.0-cu128"),
 }
 
@@ -79,8 +81,8 @@ def test_rendered_chart_validates_strictly_against_kubernetes_1_33(name, tmp_pat
 def test_chart_installs_the_crds_the_operator_and_its_rbac():
     documents = render()
     assert ("CustomResourceDefinition", "swarms.hivekeeper.dev") in kinds(documents)
-    crd = next(d for d in documents if d["kind"] == "CustomResourceDefinition")
-    assert crd == yaml.safe_load((REPO / "crds" / "swarms.hivekeeper.dev.yaml").read_text())
+    crds = {d["metadata"]["name"]: d for d in documents if d["kind"] == "CustomResourceDefinition"}
+    assert crds == {p.name.removesuffix(".yaml"): yaml.safe_load(p.read_text()) for p in (REPO / "crds").glob("*.yaml")}
     deployment = next(d for d in documents if d["kind"] == "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["hivekeeper-operator"]
@@ -113,6 +115,9 @@ def test_rbac_is_least_privilege():
                                          "clusterroles", "rolebindings", "clusterrolebindings"}
     assert role[("hivekeeper.dev", "swarms")] == {"get", "list", "watch", "patch"}
     assert role[("hivekeeper.dev", "swarms/status")] == {"get", "patch", "update"}
+    for plural in ("blockservers", "expertpools"):
+        assert role[("hivekeeper.dev", plural)] == {"get", "list", "watch", "patch"}
+        assert role[("hivekeeper.dev", f"{plural}/status")] == {"get", "patch", "update"}
     assert role[("", "secrets")] == {"get", "create", "patch", "delete"}  # never list or watch secrets
     assert role[("", "events")] == {"create"}
     assert ("monitoring.coreos.com", "servicemonitors") in role
@@ -159,3 +164,16 @@ def test_notes_tell_the_user_what_to_apply_next(tmp_path):
     assert "kubectl get swarms" in notes
     assert "kubectl scale swarm/digits --replicas=5" in notes
     assert "curl localhost:8080/metrics" in notes
+
+
+@needs_helm
+def test_dashboards_ship_as_configmaps_for_the_grafana_sidecar():
+    from hivekeeper.dashboards import files
+
+    assert not [d for d in render() if d["kind"] == "ConfigMap"]  # off by default
+    maps = [d for d in render("grafanaDashboards.enabled=true", "grafanaDashboards.namespace=monitoring")
+            if d["kind"] == "ConfigMap"]
+    shipped = {name: json.loads(text) for m in maps for name, text in m["data"].items()}
+    assert shipped == {name: json.loads(text) for name, text in files().items()}
+    assert all(m["metadata"]["labels"]["grafana_dashboard"] == "1" for m in maps)
+    assert {m["metadata"]["namespace"] for m in maps} == {"monitoring"}

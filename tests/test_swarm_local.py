@@ -10,12 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from conftest import wait_for, write_manifest
+from hivekeeper.dashboards import expressions
 from hivekeeper.tasks import load_task
 
 SMALL = {"spec": {
@@ -27,9 +29,24 @@ SMALL = {"spec": {
 }}
 
 
-def start_up(manifest: Path, run_dir: Path) -> subprocess.Popen:
+def start_up(manifest: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "hivekeeper", "up", str(manifest), "--run-dir", str(run_dir),
-                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--json", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def prometheus_query(url: str, expr: str) -> list:
+    """An instant query's result; a query Prometheus refuses (it does not parse) fails the test."""
+    with urllib.request.urlopen(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": expr}), timeout=5) as reply:
+        answer = json.loads(reply.read())
+    assert answer["status"] == "success", (expr, answer)
+    return answer["data"]["result"]
+
+
+def silent_dashboard_panels(url: str, swarm: str) -> list[str]:
+    """Panels of the shipped dashboards that a local run can feed but that return no series."""
+    substitutions = {"swarm": swarm, "namespace": ".*", "kind": ".*", "__rate_interval": "30s"}
+    return [f"{uid}: {title}: {expr}" for uid, title, source, expr in expressions(substitutions)
+            if source == "swarm" and not prometheus_query(url, expr)]
 
 
 def http_get(port: int, path: str) -> str | None:
@@ -82,7 +99,7 @@ def metric(text: str, name: str, labels: str = "") -> float:
 @pytest.mark.timeout(300)
 def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd):
     run_dir = tmp_path / "run"
-    runner = start_up(write_manifest(tmp_path, SMALL), run_dir)
+    runner = start_up(write_manifest(tmp_path, SMALL), run_dir, "--prometheus")
     try:
         wait_for(lambda: global_step(run_dir) >= 3, 150, "three global steps")
 
@@ -125,6 +142,19 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
         monitor_status = json.loads(http_get(ports(run_dir)["monitor-0"], "/status"))
         assert monitor_status["plan"]["stepsPerSecond"] > 0
         assert {p["name"] for p in monitor_status["plan"]["peers"]} == {"trainer-0", "trainer-1", "auxiliary-0"}
+        # `--prometheus`: a real Prometheus scrapes every process, and every dashboard panel that a
+        # local run can feed returns data (operator panels need a cluster).
+        prometheus = (run_dir / "prometheus.url").read_text()
+        silent: list[str] = []
+
+        def every_panel_answers() -> bool:
+            silent[:] = silent_dashboard_panels(prometheus, "digits")
+            return not silent
+
+        try:
+            wait_for(every_panel_answers, 60, "every dashboard panel to return data", interval=2.0)
+        except AssertionError:
+            pytest.fail(f"panels without data: {silent}")
 
         crash_trainer(run_dir, 1)
 

@@ -14,6 +14,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--run-dir", default=None, help="where logs, checkpoints and summary.json go "
                         "(default: runs/NAME-TIMESTAMP)")
     parser.add_argument("--json", action="store_true", help="print the final summary as JSON on stdout")
+    parser.add_argument("--prometheus", action="store_true",
+                        help="also run a local Prometheus scraping every process (needs the prometheus binary)")
     parser.set_defaults(handler=run)
 
 
@@ -21,11 +23,15 @@ def run(args: argparse.Namespace) -> int:
     from hivekeeper.spec import load_manifest
 
     manifest = load_manifest(args.manifest)  # bad input: one line, exit 2, nothing started
+    if args.prometheus:
+        from hivekeeper.local.prometheus import prometheus_binary
+
+        prometheus_binary()  # a missing binary is bad input too
     run_dir = Path(args.run_dir or f"runs/{manifest.metadata.name}-{time.strftime('%Y%m%d-%H%M%S')}")
 
     from hivekeeper.local.runner import run_locally
 
-    summary = run_locally(manifest, run_dir)
+    summary = run_locally(manifest, run_dir, prometheus=args.prometheus)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

@@ -16,6 +16,7 @@ from rich.console import Console
 from hivekeeper.local.identity import ensure_identity
 from hivekeeper.local.network import LocalNetwork
 from hivekeeper.local.progress import ProgressView, fetch_status
+from hivekeeper.local.prometheus import LocalPrometheus
 from hivekeeper.local.supervisor import Supervisor
 from hivekeeper.kinds import runtime
 from hivekeeper.spec import Manifest
@@ -38,17 +39,24 @@ def prepare_run(manifest: Manifest, run_dir: Path) -> tuple[Path, list]:
     return manifest_path, roles
 
 
-def run_locally(manifest: Manifest, run_dir: Path, console: Console | None = None) -> dict[str, Any]:
+def run_locally(manifest: Manifest, run_dir: Path, console: Console | None = None,
+                prometheus: bool = False) -> dict[str, Any]:
     console = console or Console(stderr=True)
     started = time.time()
     _, roles = prepare_run(manifest, run_dir)
     (run_dir / "result.json").unlink(missing_ok=True)
     supervisor = Supervisor(roles, run_dir / "logs")
     monitor = next((r for r in roles if r.completes_run), None)
+    scraper = LocalPrometheus(run_dir, manifest.metadata.name, roles) if prometheus else None
 
     console.print(f"[bold]{manifest.metadata.name}[/]: {len(roles)} processes, run directory {run_dir}")
     for role in roles:
         console.print(f"  {role.name:<12} metrics http://127.0.0.1:{role.ports[METRICS]}/metrics", highlight=False)
+    if scraper:
+        scraper.start()
+        (run_dir / "prometheus.url").write_text(scraper.url)
+        console.print(f"  prometheus   {scraper.url} (scraping every process; dashboards: charts/hivekeeper/dashboards)",
+                      highlight=False)
 
     interrupted = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: interrupted.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -65,6 +73,8 @@ def run_locally(manifest: Manifest, run_dir: Path, console: Console | None = Non
     finally:
         console.print("stopping all processes..." if not completed else "run complete; stopping peers...")
         supervisor.stop()
+        if scraper:
+            scraper.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

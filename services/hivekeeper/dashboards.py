@@ -1,0 +1,226 @@
+"""Grafana dashboards, generated: `hivekeeper dashboards --out DIR` writes one JSON file per
+dashboard (the chart ships them in charts/hivekeeper/dashboards/, as ConfigMaps for Grafana's
+sidecar). Each panel names the source it needs: "swarm" panels read what `hivekeeper up
+--prometheus` scrapes locally; "blocks" and "experts" what those kinds' processes export;
+"operator" panels need the operator, which runs only in a cluster.
+
+Series carry no swarm, role or peer label of their own: identity comes from each process's
+`hivekeeper_peer_info`, joined on the scrape target (docs/metrics.md)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEMA_VERSION = 39
+SELECT = 'swarm=~"$swarm", namespace=~"$namespace"'
+
+
+def identity(labels: str = "swarm", **match: str) -> str:
+    """`* on(instance, job) group_left(LABELS) hivekeeper_peer_info{...}`: gives a series its identity."""
+    selector = ", ".join([SELECT] + [f'{k}=~"{v}"' for k, v in match.items()])
+    return f"on(instance, job) group_left({labels}) hivekeeper_peer_info{{{selector}}}"
+
+
+@dataclass(frozen=True)
+class Target:
+    expr: str
+    legend: str = ""
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    targets: tuple[Target, ...]
+    unit: str = "short"
+    kind: str = "timeseries"  # or stat
+    source: str = "swarm"  # swarm | blocks | experts | operator: what must be scraped (module docstring)
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    uid: str
+    title: str
+    panels: tuple[Panel, ...]
+    description: str = ""
+    tags: tuple[str, ...] = field(default=("hivekeeper",))
+    variables: tuple[str, ...] = ("namespace", "swarm")
+
+
+def _panel(panel: Panel, index: int) -> dict:
+    width = 6 if panel.kind == "stat" else 12
+    per_row = 24 // width
+    return {
+        "id": index + 1,
+        "type": panel.kind,
+        "title": panel.title,
+        "description": panel.description,
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "gridPos": {"h": 4 if panel.kind == "stat" else 8, "w": width, "x": (index % per_row) * width,
+                    "y": (index // per_row) * 8},
+        "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}} if panel.kind == "timeseries" else {},
+        "targets": [{"refId": chr(ord("A") + i), "expr": t.expr, "legendFormat": t.legend,
+                     "datasource": {"type": "prometheus", "uid": "${datasource}"}}
+                    for i, t in enumerate(panel.targets)],
+        "hivekeeper": {"source": panel.source},
+    }
+
+
+def _variables(names: tuple[str, ...]) -> list[dict]:
+    out = [{"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus"}]
+    queries = {
+        "namespace": ("label_values(hivekeeper_peer_info, namespace)", "Namespace"),
+        "swarm": ('label_values(hivekeeper_peer_info{namespace=~"$namespace"}, swarm)', "Resource"),
+        "kind": ("label_values(hivekeeper_operator_reconciles_total, kind)", "Kind"),
+    }
+    for name in names:
+        query, label = queries[name]
+        out.append({"name": name, "label": label, "type": "query", "query": {"query": query, "refId": name},
+                    "datasource": {"type": "prometheus", "uid": "${datasource}"}, "includeAll": True,
+                    "allValue": ".*", "multi": True, "refresh": 2,
+                    "current": {"selected": True, "text": ["All"], "value": ["$__all"]}})
+    return out
+
+
+def render(dashboard: Dashboard) -> dict:
+    return {
+        "uid": dashboard.uid,
+        "title": dashboard.title,
+        "description": dashboard.description,
+        "tags": list(dashboard.tags),
+        "schemaVersion": SCHEMA_VERSION,
+        "editable": True,
+        "time": {"from": "now-1h", "to": "now"},
+        "refresh": "10s",
+        "templating": {"list": _variables(dashboard.variables)},
+        "panels": [_panel(panel, i) for i, panel in enumerate(dashboard.panels)],
+    }
+
+
+MONITOR = identity("swarm", role="monitor")
+AVERAGING_PEERS = identity("swarm, peer", role="trainer|auxiliary")
+
+SWARM_OVERVIEW = Dashboard(
+    uid="hivekeeper-swarm", title="hivekeeper / Swarm overview",
+    description="A Swarm's progress: global step, loss, held-out metrics, throughput, and who is there.",
+    panels=(
+        Panel("Global step", (Target(f"max by (swarm) (hivekeeper_global_step * {MONITOR})", "{{swarm}}"),),
+              kind="stat"),
+        Panel("Collaboration samples/s",
+              (Target(f"max by (swarm) (hivekeeper_collaboration_samples_per_second * {MONITOR})", "{{swarm}}"),),
+              unit="short", kind="stat"),
+        Panel("Trainers alive",
+              (Target(f'max by (swarm) (hivekeeper_peers_alive{{role="trainer"}} * {identity("swarm", role="backbone")})',
+                      "{{swarm}}"),), kind="stat"),
+        Panel("Checkpoints saved", (Target(f"max by (swarm) (hivekeeper_checkpoints_saved_total * {MONITOR})",
+                                           "{{swarm}}"),), kind="stat"),
+        Panel("Training loss", (Target(f"max by (swarm) (hivekeeper_loss * {MONITOR})", "{{swarm}}"),),
+              description="mean loss over the trainers of the latest step they report"),
+        Panel("Held-out metrics", (Target(f"max by (swarm, metric) (hivekeeper_eval_metric * {MONITOR})",
+                                          "{{swarm}} {{metric}}"),)),
+        Panel("Samples/s by trainer",
+              (Target(f"hivekeeper_samples_per_second * {identity('swarm, peer', role='trainer')}", "{{peer}}"),)),
+        Panel("Peers by role (joins and leaves)",
+              (Target(f'max by (role) (hivekeeper_peers_alive * {identity("swarm", role="backbone")})', "{{role}}"),),
+              description="peers with a fresh report in the DHT, as the backbone counts them"),
+        Panel("State loads (joins, catching up)",
+              (Target(f"sum by (peer) (increase(hivekeeper_state_loads_total[$__rate_interval]) * {AVERAGING_PEERS})",
+                      "{{peer}}"),)),
+        Panel("Optimizer steps/s",
+              (Target(f"max by (swarm) (deriv(hivekeeper_global_step[$__rate_interval]) * {MONITOR})", "achieved"),
+               Target(f"max by (swarm) (hivekeeper_plan_steps_per_second * {identity('swarm', role='balancer')})",
+                      "planned")),
+              description="achieved (the monitor's global step) against the averaging plan's prediction"),
+    ),
+)
+
+AVERAGING = Dashboard(
+    uid="hivekeeper-averaging", title="hivekeeper / Averaging rounds",
+    description="Gradient averaging: how long rounds take, how they end, who moves how many bytes, "
+                "and the balancer's plan against what the swarm achieves.",
+    panels=(
+        Panel("Round duration", tuple(
+            Target(f"histogram_quantile({q}, sum by (le) (rate(hivekeeper_averaging_round_duration_seconds_bucket"
+                   f"[$__rate_interval]) * {identity('swarm', role='trainer|auxiliary')}))", f"p{int(q * 100)}")
+            for q in (0.5, 0.9, 0.99)), unit="s"),
+        Panel("Round outcomes",
+              (Target(f"sum by (outcome) (increase(hivekeeper_averaging_rounds_total[$__rate_interval]) * "
+                      f"{identity('swarm', role='trainer|auxiliary')})", "{{outcome}}"),)),
+        Panel("Group size", (Target(f"hivekeeper_averaging_group_size * {AVERAGING_PEERS}", "{{peer}}"),)),
+        Panel("Bytes sent in all-reduce",
+              (Target(f"rate(hivekeeper_averaging_sent_bytes_total[$__rate_interval]) * {AVERAGING_PEERS}",
+                      "{{peer}}"),), unit="Bps"),
+        Panel("Measured upload", (Target(f"hivekeeper_upload_bytes_per_second * {AVERAGING_PEERS}", "{{peer}}"),),
+              unit="Bps", description="probe at join, then what rounds achieve: the planner's input"),
+        Panel("Measured download", (Target(f"hivekeeper_download_bytes_per_second * {AVERAGING_PEERS}", "{{peer}}"),),
+              unit="Bps"),
+        Panel("Planned vs achieved steps/s",
+              (Target(f"max by (swarm) (hivekeeper_plan_steps_per_second * {identity('swarm', role='balancer')})",
+                      "planned"),
+               Target(f"max by (swarm) (deriv(hivekeeper_global_step[$__rate_interval]) * {MONITOR})", "achieved"))),
+        Panel("Aggregation share by peer",
+              (Target(f"max by (peer) (hivekeeper_plan_aggregation_share * {identity('swarm', role='balancer')})",
+                      "{{peer}}"),), unit="percentunit"),
+        Panel("Plan bounds",
+              (Target(f"max(hivekeeper_plan_compute_bound_steps_per_second * {identity('swarm', role='balancer')})",
+                      "compute"),
+               Target(f"max(hivekeeper_plan_aggregation_bound_steps_per_second * "
+                      f"{identity('swarm', role='balancer')})", "aggregation"))),
+        Panel("Plan age", (Target(f"time() - max(hivekeeper_plan_last_update_timestamp_seconds * "
+                                  f"{identity('swarm', role='balancer')})", "seconds since the last plan"),),
+              unit="s", kind="stat"),
+    ),
+)
+
+OPERATOR = Dashboard(
+    uid="hivekeeper-operator", title="hivekeeper / Operator", variables=("kind",),
+    description="The operator's reconciles, errors and durations, by kind.",
+    panels=(
+        Panel("Reconciles/s", (Target('sum by (kind, result) (rate(hivekeeper_operator_reconciles_total{kind=~"$kind"}'
+                                      '[$__rate_interval]))', "{{kind}} {{result}}"),), source="operator"),
+        Panel("Errors by reason", (Target('sum by (kind, reason) (increase(hivekeeper_operator_reconcile_errors_total'
+                                          '{kind=~"$kind"}[$__rate_interval]))', "{{kind}} {{reason}}"),),
+              source="operator"),
+        Panel("Reconcile duration p50 / p99", tuple(
+            Target(f'histogram_quantile({q}, sum by (le, kind) (rate(hivekeeper_operator_reconcile_duration_seconds_bucket'
+                   f'{{kind=~"$kind"}}[$__rate_interval])))', f"{{{{kind}}}} p{int(q * 100)}") for q in (0.5, 0.99)),
+            unit="s", source="operator"),
+        Panel("Child writes", (Target('sum by (child_kind, action) (increase(hivekeeper_operator_child_writes_total'
+                                      '{kind=~"$kind"}[$__rate_interval]))', "{{child_kind}} {{action}}"),),
+              source="operator"),
+        Panel("Resources by phase", (Target('sum by (kind, phase) (hivekeeper_operator_resources{kind=~"$kind"})',
+                                            "{{kind}} {{phase}}"),), source="operator"),
+    ),
+)
+
+DASHBOARDS: list[Dashboard] = [SWARM_OVERVIEW, AVERAGING, OPERATOR]
+
+
+def files() -> dict[str, str]:
+    return {f"{d.uid}.json": json.dumps(render(d), indent=2) + "\n" for d in DASHBOARDS}
+
+
+def write(out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, text in files().items():
+        (out / name).write_text(text)
+        paths.append(out / name)
+    return paths
+
+
+def expressions(substitutions: dict[str, str]) -> list[tuple[str, str, str, str]]:
+    """(dashboard uid, panel title, source, expr with variables substituted) for every target."""
+    out = []
+    for dashboard in DASHBOARDS:
+        for panel in dashboard.panels:
+            for target in panel.targets:
+                expr = target.expr
+                for name, value in substitutions.items():
+                    expr = expr.replace(f"${name}", value)
+                out.append((dashboard.uid, panel.title, panel.source, expr))
+    return out

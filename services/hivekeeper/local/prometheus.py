@@ -1,0 +1,85 @@
+"""`hivekeeper up --prometheus`: a real Prometheus (the `prometheus` binary, e.g. Debian's
+package) scraping every process of a local run, so the chart's dashboards and alerts work on
+one machine. Jobs are named as the Prometheus Operator names them in a cluster (NAME-COMPONENT,
+after the per-component Services), which the alerts and dashboards rely on."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from hivekeeper.errors import UserError
+from hivekeeper.local.network import free_port
+from hivekeeper.topology import METRICS, Role
+
+SCRAPE_INTERVAL = "2s"  # local runs are short: see rounds as they happen
+
+
+def scrape_config(name: str, roles: list[Role]) -> dict:
+    jobs: dict[str, list[str]] = {}
+    for role in roles:
+        jobs.setdefault(f"{name}-{role.component}", []).append(f"127.0.0.1:{role.ports[METRICS]}")
+    return {
+        "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
+        "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}
+                           for job, targets in sorted(jobs.items())],
+    }
+
+
+def prometheus_binary() -> str:
+    found = shutil.which("prometheus")
+    if found is None:
+        raise UserError("--prometheus: no `prometheus` binary on PATH (Debian: apt install prometheus)")
+    return found
+
+
+class LocalPrometheus:
+    """A Prometheus server for one run: config and data under RUN_DIR/prometheus, its log in
+    RUN_DIR/logs/prometheus.log, listening on 127.0.0.1."""
+
+    def __init__(self, run_dir: Path, name: str, roles: list[Role], binary: Optional[str] = None):
+        self.binary = binary or prometheus_binary()
+        self.dir = run_dir / "prometheus"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = scrape_config(name, roles)
+        self.process: Optional[subprocess.Popen] = None
+        self.log_path = run_dir / "logs" / "prometheus.log"
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        config = self.dir / "prometheus.yml"
+        config.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [self.binary, f"--config.file={config}", f"--storage.tsdb.path={self.dir / 'data'}",
+                 f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=7d"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"prometheus exited at start; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"prometheus not ready after {timeout:.0f}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
