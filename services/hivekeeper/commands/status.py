@@ -11,10 +11,15 @@ from hivekeeper.errors import UserError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("status", help="show the live state of a local run")
+    parser = subparsers.add_parser("status", help="show the live state of a local run, or of any swarm's peers")
     parser.add_argument("run_dir", nargs="?", default=None, help="the run directory (default: the newest under runs/)")
     parser.add_argument("--json", action="store_true", help="print the monitor's status as JSON once")
     parser.add_argument("--watch", action="store_true", help="refresh every second until interrupted")
+    parser.add_argument("--swarm", default=None, metavar="NAME",
+                        help="read every peer's report from the swarm's DHT instead (local or in a cluster)")
+    parser.add_argument("--initial-peers", nargs="+", default=None, metavar="MADDR",
+                        help="with --swarm: backbone multiaddrs (a Swarm's .status.initialPeers; default: "
+                             "RUN_DIR/initial_peers.json)")
     parser.set_defaults(handler=run)
 
 
@@ -28,6 +33,8 @@ def _newest_run() -> Path:
 def run(args: argparse.Namespace) -> int:
     from hivekeeper.local.progress import describe_plan, describe_round, fetch_status
 
+    if args.swarm or args.initial_peers:
+        return _from_dht(args)
     run_dir = Path(args.run_dir) if args.run_dir else _newest_run()
     summary_path = run_dir / "summary.json"
     port = _monitor_port(run_dir)
@@ -57,3 +64,38 @@ def _monitor_port(run_dir: Path) -> int | None:
     if ports.exists():
         return json.loads(ports.read_text()).get("monitor-0")
     return None
+
+
+def _from_dht(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from hivekeeper.peer_table import peer_table, read_reports
+
+    peers = args.initial_peers
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    if peers is None:
+        source = (run_dir or _newest_run()) / "initial_peers.json"
+        if not source.exists():
+            raise UserError(f"--initial-peers: none given and no {source}")
+        peers = json.loads(source.read_text())
+    if not args.swarm:
+        manifest = (run_dir or _newest_run()) / "manifest.json"
+        if not manifest.exists():
+            raise UserError("--swarm: give the resource's name")
+        args.swarm = json.loads(manifest.read_text())["metadata"]["name"]
+    try:
+        reports = read_reports(peers, args.swarm)
+    except Exception as e:  # hivemind raises what the bootstrap met: unreachable, a bad multiaddr...
+        raise UserError(f"cannot reach the swarm through {' '.join(peers)}: {e}") from None
+    if args.json:
+        print(json.dumps(reports, indent=2))
+        return 0
+    console = Console()
+    if not args.watch:
+        console.print(peer_table(args.swarm, reports))
+        return 0
+    with Live(peer_table(args.swarm, reports), console=console, refresh_per_second=1) as live:
+        while True:
+            time.sleep(1.0)
+            live.update(peer_table(args.swarm, read_reports(peers, args.swarm)))

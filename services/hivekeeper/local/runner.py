@@ -20,7 +20,7 @@ from hivekeeper.local.prometheus import LocalPrometheus
 from hivekeeper.local.supervisor import Supervisor
 from hivekeeper.kinds import runtime
 from hivekeeper.spec import Manifest
-from hivekeeper.topology import METRICS
+from hivekeeper.topology import METRICS, P2P
 
 POLL_SECONDS = 0.5
 
@@ -36,6 +36,10 @@ def prepare_run(manifest: Manifest, run_dir: Path) -> tuple[Path, list]:
     peer_ids = {name: ensure_identity(Path(network.identity_path(name))) for name in kind.identity_roles(manifest)}
     roles = kind.roles(manifest, network, peer_ids, str(manifest_path.resolve()), str(run_dir.resolve()))
     (run_dir / "ports.json").write_text(json.dumps({role.name: role.ports[METRICS] for role in roles}, indent=2))
+    backbone = [r for r in roles if r.component.startswith("backbone")]  # every kind's bootstrap peers
+    (run_dir / "initial_peers.json").write_text(json.dumps(
+        [network.backbone_maddr(r.index, r.ports[P2P], peer_ids[r.name], r.component) for r in backbone
+         if r.name in peer_ids]))
     return manifest_path, roles
 
 

@@ -1,0 +1,43 @@
+"""The peers of a running resource as its DHT sees them (each peer's latest report), for
+`hivekeeper status --swarm NAME --initial-peers ...`: works for a local run and for a swarm in
+a cluster alike, from anywhere that can reach one of its backbone peers."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from rich.table import Table
+
+from hivekeeper.local.progress import describe_round
+
+
+def read_reports(initial_peers: Sequence[str], swarm: str) -> list[dict[str, Any]]:
+    """One read of the peers' reports through a short-lived client-mode DHT peer."""
+    import hivemind
+
+    from hivekeeper.swarm.common import read_peer_reports
+
+    dht = hivemind.DHT(initial_peers=list(initial_peers), client_mode=True, start=True)
+    try:
+        return sorted(read_peer_reports(dht, swarm), key=lambda r: (r.get("role", ""), r.get("name", "")))
+    finally:
+        dht.shutdown()
+
+
+def peer_table(swarm: str, reports: list[dict[str, Any]]) -> Table:
+    table = Table(title=f"{swarm}: {len(reports)} peers reporting", title_justify="left")
+    for column in ("peer", "role", "step", "samples/s", "loss", "last round", "reported"):
+        table.add_column(column, justify="right" if column in ("step", "samples/s", "loss", "reported") else "left")
+    now = time.time()
+    for report in reports:
+        loss = report.get("loss")
+        table.add_row(
+            str(report.get("name", "?")), str(report.get("role", "?")),
+            str(report.get("globalEpoch", report.get("epoch", ""))) if report.get("role") != "backbone" else "",
+            f"{report['samplesPerSecond']:.0f}" if isinstance(report.get("samplesPerSecond"), (int, float)) else "",
+            f"{loss:.4f}" if isinstance(loss, (int, float)) else "",
+            describe_round(report.get("lastRound")) if report.get("lastRound") else "",
+            f"{max(0.0, now - report['time']):.0f}s ago" if isinstance(report.get("time"), (int, float)) else "",
+        )
+    return table
