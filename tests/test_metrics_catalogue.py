@@ -1,4 +1,4 @@
-"""docs/metrics.md lists every metric the services and the operator define, as exposed (name,
+"""docs/metrics.md lists every metric the services (Swarm, BlockServer, ExpertPool roles) and the operator define, as exposed (name,
 type, labels), lists none they do not define unless marked planned, and the alerting rules
 read only metrics it lists."""
 
@@ -10,6 +10,8 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from conftest import REPO
+from hivekeeper.blocks.metrics import BlockMetrics
+from hivekeeper.experts.common import ExpertMetrics
 from hivekeeper.metrics import SwarmMetrics
 from hivekeeper_operator.metrics import OperatorMetrics
 
@@ -19,15 +21,18 @@ SUFFIX = {"counter": "_total", "info": "_info"}  # prometheus_client's family na
 
 
 def defined() -> dict[str, tuple[str, set[str]]]:
-    """Exposed name -> (type, label names) of every metric of the two modules."""
-    out = {}
-    for metrics in (SwarmMetrics(), OperatorMetrics()):
+    """Exposed name -> (type, label names) of every metric of the services and the operator. A
+    name several kinds export (hivekeeper_samples_total, ...) must mean the same type and labels."""
+    out: dict[str, tuple[str, set[str]]] = {}
+    for metrics in (SwarmMetrics(), BlockMetrics(), ExpertMetrics(), OperatorMetrics()):
         for metric in vars(metrics).values():
             if isinstance(metric, MetricWrapperBase):
                 family = metric.describe()[0]
                 # an Info's labels are its value, set at run time; prometheus_client keeps the rest here
                 labels = set() if family.type == "info" else set(metric._labelnames)
-                out[family.name + SUFFIX.get(family.type, "")] = (family.type, labels)
+                name = family.name + SUFFIX.get(family.type, "")
+                assert out.get(name, (family.type, labels)) == (family.type, labels), f"{name} differs between kinds"
+                out[name] = (family.type, labels)
     return out
 
 

@@ -23,7 +23,7 @@ import yaml  # noqa: E402
 
 from conftest import EXAMPLES, deep_update  # noqa: E402
 from conftest import wait_for as poll_until  # noqa: E402
-from hivekeeper.spec.crd import crd, jsonschema_for  # noqa: E402
+from hivekeeper.spec.crd import KINDS, crd, jsonschema_for  # noqa: E402
 from hivekeeper_operator import identity  # noqa: E402
 from hivekeeper_operator.kube import Kube  # noqa: E402
 from hivekeeper.local.network import free_port  # noqa: E402
@@ -62,14 +62,14 @@ class FakeMonitor:
 
 @pytest.fixture
 def cluster(tmp_path, monkeypatch):
-    with EmulatedCluster(tmp_path, crds=[crd("Swarm")]) as emulated:
+    with EmulatedCluster(tmp_path, crds=[crd(kind) for kind in sorted(KINDS)]) as emulated:
         monkeypatch.setenv("KUBECONFIG", str(emulated.kubeconfig))
         yield emulated
 
 
 @pytest.fixture
 def service_monitor_cluster(tmp_path, monkeypatch):
-    with EmulatedCluster(tmp_path, crds=[crd("Swarm")], service_monitors=True) as emulated:
+    with EmulatedCluster(tmp_path, crds=[crd(kind) for kind in sorted(KINDS)], service_monitors=True) as emulated:
         monkeypatch.setenv("KUBECONFIG", str(emulated.kubeconfig))
         yield emulated
 
@@ -424,7 +424,7 @@ def test_operator_serves_metrics_and_probes(cluster, client, start_operator):
                     what="reconcile metrics")
     assert "hivekeeper_operator_reconcile_duration_seconds_bucket" in body
     assert 'hivekeeper_operator_child_writes_total{action="create",child_kind="StatefulSet",kind="Swarm"} 4.0' in body
-    assert json.loads(get("/status")[1])["kinds"] == ["Swarm"]
+    assert json.loads(get("/status")[1])["kinds"] == ["Swarm", "BlockServer", "ExpertPool"]
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)

@@ -208,3 +208,37 @@ def test_the_package_as_the_dockerfile_installs_it_has_both_source_roots(tmp_pat
     assert not any(n.startswith("operator/") for n in names)  # never a top-level `operator` package
     assert "hivekeeper = hivekeeper.cli:main" in entry_points
     assert "hivekeeper-operator = hivekeeper_operator.__main__:main" in entry_points
+
+
+@pytest.mark.parametrize("path", [EXAMPLES / "blockserver.yaml", EXAMPLES / "expertpool.yaml"], ids=lambda p: p.name)
+def test_role_planned_kinds_give_valid_objects_and_commands_the_cli_accepts(path):
+    """BlockServer and ExpertPool are planned from their roles (workloads.py): every child is a
+    valid Kubernetes 1.33 object, and every pod's command parses, Job pods included (their
+    index is the Indexed Job's completion index)."""
+    from hivekeeper.kinds import runtime
+    from hivekeeper_operator.workloads import plan_workloads
+
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    manifest = load_manifest(path)
+    peer_ids = {name: PEER for name in runtime(manifest.kind).identity_roles(manifest)}
+    plan = plan_workloads({**owner(manifest.metadata.name), "kind": manifest.kind}, manifest, peer_ids,
+                          {f"{n}.key": "a2V5" for n in peer_ids}, SETTINGS, service_monitor=True)
+    for child in plan.children:
+        if child["kind"] != "ServiceMonitor":  # a CRD's kind: not in Kubernetes' schemas
+            kubernetes_validate.validate(child, "1.33.0", strict=True)
+    roles = json.loads(next(c for c in plan.children if c["kind"] == "ConfigMap")["data"]["roles.json"])
+    for name in roles:
+        component, index = name.rsplit("-", 1)
+        parsed = build_parser().parse_args(["run", *launch.resolve(roles, component, int(index), {"POD_IP": "10.1.2.3"})])
+        assert parsed.role == component and parsed.index == int(index)
+        assert parsed.announce_host == "10.1.2.3" and parsed.manifest == "/etc/hivekeeper/manifest.json"
+
+
+def test_a_job_pod_takes_its_completion_index(tmp_path, capsys):
+    roles_file = tmp_path / "roles.json"
+    roles_file.write_text(json.dumps({"block-client-0": {"component": "block-client", "args": ["block-client", "--index", "0"]}}))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("POD_NAME", "tiny-llama-block-client-0-x7k2p")  # an Indexed Job pod's name has no ordinal at the end
+        mp.setenv("JOB_COMPLETION_INDEX", "0")
+        assert launch.main(["--component", "block-client", "--roles", str(roles_file), "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out) == ["hivekeeper", "run", "block-client", "--index", "0"]

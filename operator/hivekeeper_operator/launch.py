@@ -3,7 +3,7 @@
 The operator renders every role's `hivekeeper run` arguments with the same topology function
 the local runner uses and puts them in the ConfigMap (roles.json). Pods of one StatefulSet
 share a template, so each pod picks its own role by its ordinal (the number at the end of a
-StatefulSet pod's name), expands $(VAR) references from its environment as Kubernetes does in
+StatefulSet pod's name, or an Indexed Job's completion index), expands $(VAR) references from its environment as Kubernetes does in
 container args (the pod IP it announces), and execs `hivekeeper run ...` in its place."""
 
 from __future__ import annotations
@@ -46,12 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hivekeeper_operator.launch")
     parser.add_argument("--component", required=True, help="backbone | trainer | auxiliary | monitor")
     parser.add_argument("--roles", default=f"{CONFIG_DIR}/roles.json")
-    parser.add_argument("--index", type=int, default=None, help="default: the ordinal in $POD_NAME")
+    parser.add_argument("--index", type=int, default=None,
+                        help="default: $JOB_COMPLETION_INDEX, else the ordinal in $POD_NAME")
     parser.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     args = parser.parse_args(argv)
 
     roles = json.loads(Path(args.roles).read_text())
-    index = args.index if args.index is not None else ordinal(os.environ.get("POD_NAME", ""))
+    if args.index is not None:
+        index = args.index
+    elif "JOB_COMPLETION_INDEX" in os.environ:  # a pod of an Indexed Job (roles that end the run)
+        index = int(os.environ["JOB_COMPLETION_INDEX"])
+    else:
+        index = ordinal(os.environ.get("POD_NAME", ""))
     command = ["hivekeeper", "run", *resolve(roles, args.component, index, dict(os.environ))]
     if args.dry_run:
         print(json.dumps(command))

@@ -2,8 +2,8 @@
 and write what was observed back as status. One reconciler per kind, in `controllers()`;
 the kopf handlers and the periodic resync both call `Reconciler.reconcile(namespace, name)`.
 
-BlockServer and ExpertPool plug in as further `Reconciler` subclasses (a planner module like
-`swarm.py`, then an entry in `CONTROLLER_CLASSES`)."""
+The Swarm has its own planner (`swarm.py`); BlockServer and ExpertPool are planned from their
+roles alone (`workloads.py`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from hivekeeper.errors import UserError
 from hivekeeper.spec import parse_manifest
 from hivekeeper.spec.crd import KINDS
 
-from hivekeeper_operator import identity, swarm
+from hivekeeper.kinds import runtime
+from hivekeeper_operator import identity, swarm, workloads
 from hivekeeper_operator.conditions import now_rfc3339
 from hivekeeper_operator.kube import Applier, Kube, KubeError, NameConflict, register_resource
 from hivekeeper_operator.metrics import OperatorMetrics
@@ -39,7 +40,7 @@ class OperatorConfig:
     status_reader: StatusReader = field(default_factory=http_status_reader)
     key_generator: identity.KeyGenerator = identity.generate_key
     kubeconfig: str | None = None
-    kinds: tuple[str, ...] = ("Swarm",)
+    kinds: tuple[str, ...] = ("Swarm", "BlockServer", "ExpertPool")
 
 
 class Reconciler:
@@ -188,13 +189,103 @@ class SwarmReconciler(Reconciler):
         return status["phase"]
 
 
+class WorkloadReconciler(Reconciler):
+    """A kind planned from its roles alone (`workloads.py`): BlockServer, ExpertPool."""
+
+    CHILD_TYPES = (("v1", "Service"), ("apps/v1", "StatefulSet"), ("batch/v1", "Job"),
+                   ("policy/v1", "PodDisruptionBudget"))
+
+    def reconcile_object(self, obj: dict[str, Any]) -> str | None:
+        meta = obj["metadata"]
+        name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
+        settings, now = self.config.settings, now_rfc3339()
+
+        def invalid(message: str, reason: str = "InvalidSpec") -> str:
+            self.write_status(obj, workloads.workload_status(
+                kind=self.kind, generation=generation, previous=obj.get("status"), now=now, plan=None,
+                workloads=None, invalid=message, invalid_reason=reason, settings=settings, name=name))
+            log.warning("invalid spec", extra={"fields": {"resource": f"{self.kind} {namespace}/{name}",
+                                                          "error": message}})
+            return "Invalid"
+
+        document = {k: obj[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in obj}
+        try:
+            manifest = parse_manifest(document, source=f"{self.kind} {namespace}/{name}")
+        except UserError as e:
+            return invalid(str(e))
+        identities = runtime(self.kind).identity_roles(manifest)
+        secret = self.kube.get("v1", "Secret", namespace, swarm.keys_secret_name(name))
+        existing = (secret or {}).get("data") if _managed(secret) else None
+        keys_data, peer_ids = identity.ensure_role_keys(existing, identities, self.config.key_generator)
+        if secret is None or keys_data != existing:
+            try:  # keys first: everyone's arguments name these peer IDs
+                live = self.applier.apply(swarm.keys_secret(obj, name, namespace, keys_data)).live
+            except NameConflict as e:
+                return invalid(str(e), "NameConflict")
+            keys_data, peer_ids = identity.ensure_role_keys(live.get("data"), identities, self.config.key_generator)
+
+        service_monitor = self.config.service_monitors == "auto" and self.kube.serves(
+            "monitoring.coreos.com/v1", "servicemonitors")
+        plan = workloads.plan_workloads(obj, manifest, peer_ids, keys_data, settings, service_monitor=service_monitor)
+        jobs = {c.name: self.kube.get("batch/v1", "Job", namespace, swarm.child_name(name, c.name))
+                for c in plan.components if c.job}
+        completed = workloads.run_completed(plan, jobs)
+        if completed:
+            plan = workloads.plan_workloads(obj, manifest, peer_ids, keys_data, settings, completed=True,
+                                            service_monitor=service_monitor)
+
+        observed: dict[str, dict[str, Any] | None] = {}
+        error, error_reason = None, "ReconcileError"
+        for child in plan.children:
+            try:
+                result = self.applier.apply(child)
+            except NameConflict as e:
+                error, error_reason = str(e), "NameConflict"
+                continue
+            if child["kind"] in ("StatefulSet", "Job"):
+                observed[child["metadata"]["labels"][swarm.LABEL_COMPONENT]] = result.live
+        self._delete_unwanted(obj, plan)
+
+        reading = None
+        backbone = next((c for c in plan.components if workloads.is_backbone(c.name)), None)
+        url = workloads.live_status_url(plan, name, namespace, settings.cluster_domain)
+        if backbone and url and int(((observed.get(backbone.name) or {}).get("status") or {}).get("readyReplicas") or 0):
+            reading = self.config.status_reader(namespace, name, url)
+            self.metrics.monitor_reads.labels("ok" if reading else "unavailable").inc()
+        status = workloads.workload_status(
+            kind=self.kind, generation=generation, previous=obj.get("status"), now=now, plan=plan, workloads=observed,
+            reading=reading, completed=completed, error=error, error_reason=error_reason, settings=settings, name=name)
+        self.write_status(obj, status)
+        return status["phase"]
+
+    def _delete_unwanted(self, owner: dict[str, Any], plan: "workloads.WorkloadPlan") -> None:
+        """Children of this resource that the plan no longer has (a component switched off)."""
+        meta = owner["metadata"]
+        wanted = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in plan.children}
+        for api_version, kind in self.CHILD_TYPES:
+            for child in self.kube.list(api_version, kind, meta["namespace"]):
+                child_meta = child.get("metadata") or {}
+                owned = any(ref.get("uid") == meta.get("uid") for ref in child_meta.get("ownerReferences") or [])
+                if owned and (api_version, kind, child_meta.get("name")) not in wanted:
+                    self.applier.delete_if_managed(api_version, kind, meta["namespace"], child_meta["name"])
+
+
+class BlockServerReconciler(WorkloadReconciler):
+    kind = "BlockServer"
+
+
+class ExpertPoolReconciler(WorkloadReconciler):
+    kind = "ExpertPool"
+
+
 def _managed(obj: dict[str, Any] | None) -> bool:
     from hivekeeper_operator.kube import LABEL_MANAGED_BY, MANAGED_BY
 
     return bool(obj) and (obj.get("metadata", {}).get("labels") or {}).get(LABEL_MANAGED_BY) == MANAGED_BY
 
 
-CONTROLLER_CLASSES: dict[str, Callable[..., Reconciler]] = {"Swarm": SwarmReconciler}
+CONTROLLER_CLASSES: dict[str, Callable[..., Reconciler]] = {
+    "Swarm": SwarmReconciler, "BlockServer": BlockServerReconciler, "ExpertPool": ExpertPoolReconciler}
 
 
 def controllers(kube: Kube, config: OperatorConfig, metrics: OperatorMetrics) -> dict[str, Reconciler]:

@@ -277,15 +277,16 @@ def _role_resources(roles: list[Role], component: str, default: Resources) -> Re
 
 
 def _service(metadata: dict, swarm: str, component: str) -> dict:
+    backbone = component.startswith("backbone")  # every kind's bootstrap peers
     ports = [{"name": METRICS, "port": METRICS_PORT, "targetPort": METRICS, "protocol": "TCP"}]
-    if component == "backbone":
+    if backbone:
         ports.append({"name": P2P, "port": P2P_PORT, "targetPort": P2P, "protocol": "TCP"})
     return {
         "apiVersion": "v1", "kind": "Service", "metadata": metadata,
         "spec": {
             "clusterIP": "None",  # headless: per-pod DNS, and Prometheus scrapes every pod
             # Backbone peers dial each other by name before they are ready.
-            "publishNotReadyAddresses": component == "backbone",
+            "publishNotReadyAddresses": backbone,
             "selector": selector_labels(swarm, component),
             "ports": ports,
         },
@@ -431,15 +432,9 @@ def swarm_status(*, generation: int | None, previous: dict[str, Any] | None, now
     """The whole .status of a Swarm. With `invalid` (the spec failed validation) only the
     conditions and phase change: children are left as they were."""
     previous = previous or {}
-    status: dict[str, Any] = {"observedGeneration": generation}
     if invalid is not None:
-        status["phase"] = "Invalid"
-        status["conditions"] = render_conditions([
-            Cond("Ready", False, invalid_reason, invalid),
-            Cond("Progressing", False, invalid_reason, "nothing was changed"),
-            Cond("Degraded", True, invalid_reason, invalid),
-        ], previous.get("conditions"), generation, now)
-        return status
+        return invalid_status(generation, previous, now, invalid, invalid_reason)
+    status: dict[str, Any] = {"observedGeneration": generation}
     assert plan is not None and observed is not None
 
     roles = {c: role_status(c, observed.workloads.get(c), plan.replicas[c]) for c in COMPONENTS}
@@ -464,6 +459,16 @@ def swarm_status(*, generation: int | None, previous: dict[str, Any] | None, now
         error_reason=observed.error_reason))
     status.update(_monitor_figures(observed.monitor, previous, now))
     return status
+
+
+def invalid_status(generation: int | None, previous: dict[str, Any], now: str, message: str,
+                   reason: str) -> dict[str, Any]:
+    """The status of a resource whose spec failed validation: children are left as they were."""
+    return {"observedGeneration": generation, "phase": "Invalid", "conditions": render_conditions([
+        Cond("Ready", False, reason, message),
+        Cond("Progressing", False, reason, "nothing was changed"),
+        Cond("Degraded", True, reason, message),
+    ], previous.get("conditions"), generation, now)}
 
 
 def lifecycle(*, previous: dict[str, Any], generation: int | None, now: str, settings: WorkloadSettings,

@@ -196,7 +196,80 @@ OPERATOR = Dashboard(
     ),
 )
 
-DASHBOARDS: list[Dashboard] = [SWARM_OVERVIEW, AVERAGING, OPERATOR]
+SERVERS = identity("swarm, peer", role="block-server")
+BLOCKS_BACKBONE = identity("swarm", role="block-backbone")
+
+BLOCK_SERVER = Dashboard(
+    uid="hivekeeper-blockserver", title="hivekeeper / BlockServer",
+    description="Petals-style serving: block coverage and throughput, each server's span, cache and load, "
+                "and what clients see (latency, failovers).",
+    panels=(
+        Panel("Blocks served", (Target(f"max by (swarm) (hivekeeper_block_served_blocks * {BLOCKS_BACKBONE})",
+                                       "{{swarm}}"),), kind="stat", source="blocks"),
+        Panel("Worst block's throughput",
+              (Target(f"max by (swarm) (hivekeeper_block_min_throughput_tokens_per_second * {BLOCKS_BACKBONE})",
+                      "{{swarm}}"),), unit="short", kind="stat", source="blocks",
+              description="tokens/s of the least-served block, online servers summed: the chain's bottleneck"),
+        Panel("Servers per block", (Target(f"max by (block) (hivekeeper_block_servers * {BLOCKS_BACKBONE})",
+                                           "block {{block}}"),), source="blocks"),
+        Panel("Throughput per server", (Target(f"hivekeeper_block_throughput_tokens_per_second * {SERVERS}",
+                                               "{{peer}}"),), source="blocks"),
+        Panel("Spans", (Target(f"hivekeeper_block_span_start * {SERVERS}", "{{peer}} first"),
+                        Target(f"hivekeeper_block_span_end * {SERVERS} - 1", "{{peer}} last")), source="blocks"),
+        Panel("Attention cache left", (Target(f"hivekeeper_block_cache_tokens_left * {SERVERS}", "{{peer}}"),),
+              source="blocks"),
+        Panel("Open inference sessions", (Target(f"hivekeeper_block_sessions * {SERVERS}", "{{peer}}"),),
+              source="blocks"),
+        Panel("Requests/s", (Target(f"sum by (kind, outcome) (rate(hivekeeper_block_requests_total[$__rate_interval])"
+                                    f" * {SERVERS})", "{{kind}} {{outcome}}"),), source="blocks"),
+        Panel("Inference step latency (server compute)", tuple(
+            Target(f'histogram_quantile({q}, sum by (le) (rate(hivekeeper_block_request_duration_seconds_bucket'
+                   f'{{kind="inference"}}[$__rate_interval]) * {SERVERS}))', f"p{int(q * 100)}")
+            for q in (0.5, 0.99)), unit="s", source="blocks"),
+        Panel("Span moves and client failovers",
+              (Target(f"sum(increase(hivekeeper_block_span_moves_total[$__rate_interval]) * {SERVERS})", "span moves"),
+               Target(f"sum(increase(hivekeeper_client_failovers_total[$__rate_interval]) * "
+                      f"{identity('swarm', role='block-client')})", "failovers")), source="blocks"),
+    ),
+)
+
+EXPERT_SERVERS = identity("swarm, peer", role="expert-server")
+EXPERT_TRAINERS = identity("swarm, peer", role="expert-trainer")
+
+EXPERT_POOL = Dashboard(
+    uid="hivekeeper-expertpool", title="hivekeeper / ExpertPool",
+    description="Learning@home: which experts are up, how expert requests go, beam-search latency, "
+                "and the trainers' progress.",
+    panels=(
+        Panel("Experts alive", (Target(f"max by (swarm) (hivekeeper_experts_alive * "
+                                       f"{identity('swarm', role='backbone-experts')})", "{{swarm}}"),),
+              kind="stat", source="experts"),
+        Panel("Experts hosted per server", (Target(f"hivekeeper_experts_hosted * {EXPERT_SERVERS}", "{{peer}}"),),
+              source="experts"),
+        Panel("Expert requests/s by outcome",
+              (Target(f"sum by (outcome) (rate(hivekeeper_dmoe_expert_requests_total[$__rate_interval]) * "
+                      f"{EXPERT_TRAINERS})", "{{outcome}}"),), source="experts"),
+        Panel("Batches dropped (fewer than kMin replies)",
+              (Target(f"sum(increase(hivekeeper_dmoe_failed_batches_total[$__rate_interval]) * {EXPERT_TRAINERS})",
+                      "dropped"),), source="experts"),
+        Panel("Beam-search latency", tuple(
+            Target(f"histogram_quantile({q}, sum by (le) (rate(hivekeeper_dmoe_beam_search_seconds_bucket"
+                   f"[$__rate_interval]) * {EXPERT_TRAINERS}))", f"p{int(q * 100)}") for q in (0.5, 0.99)),
+            unit="s", source="experts"),
+        Panel("Batches in flight", (Target(f"hivekeeper_dmoe_batches_in_flight * {EXPERT_TRAINERS}", "{{peer}}"),),
+              source="experts"),
+        Panel("Trainer samples/s", (Target(f"hivekeeper_samples_per_second * {EXPERT_TRAINERS}", "{{peer}}"),),
+              source="experts"),
+        Panel("Trainer loss and held-out metrics",
+              (Target(f"hivekeeper_loss * {EXPERT_TRAINERS}", "{{peer}} loss"),
+               Target(f"hivekeeper_eval_metric * {EXPERT_TRAINERS}", "{{peer}} {{metric}}")), source="experts"),
+        Panel("Expert updates (backward requests applied)",
+              (Target(f"sum by (expert) (hivekeeper_expert_updates * {EXPERT_SERVERS})", "{{expert}}"),),
+              source="experts"),
+    ),
+)
+
+DASHBOARDS: list[Dashboard] = [SWARM_OVERVIEW, AVERAGING, BLOCK_SERVER, EXPERT_POOL, OPERATOR]
 
 
 def files() -> dict[str, str]:

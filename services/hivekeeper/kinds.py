@@ -5,7 +5,7 @@ The local runner looks kinds up here; each kind's topology lives with its packag
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from hivekeeper.spec import Manifest
@@ -20,6 +20,8 @@ class KindRuntime:
     roles: RolesFunction
     identity_roles: Callable[[Manifest], list[str]]  # role names whose key is made before start
     target_steps: Callable[[Manifest], Optional[int]] = lambda manifest: None  # for the progress bar
+    # component -> its key in the resource's status (a RoleStatus there), for the operator
+    status_keys: dict[str, str] = field(default_factory=dict)
 
 
 def _swarm_identities(manifest: Manifest) -> list[str]:

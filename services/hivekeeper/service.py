@@ -58,19 +58,23 @@ class ServiceEndpoint:
                 elif path == "/status":
                     try:
                         body = json.dumps(endpoint.status(), default=str).encode()
-                        self._reply(200, body, "application/json")
                     except Exception as e:  # a status bug must not kill the service
                         log.exception("status handler failed")
                         self._reply(500, json.dumps({"error": repr(e)}).encode(), "application/json")
+                    else:
+                        self._reply(200, body, "application/json")
                 else:
                     self._reply(404, b"not found\n")
 
             def _reply(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", content_type)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the caller gave up waiting (a poll with a short timeout on a busy process)
 
             def log_message(self, *args: Any) -> None:  # scrapes every few seconds: keep logs quiet
                 pass

@@ -14,6 +14,13 @@ ROLES = {
     "auxiliary": "hivekeeper.swarm.auxiliary",
     "monitor": "hivekeeper.swarm.monitor",
     "balancer": "hivekeeper.swarm.balancer",
+    "backbone-experts": "hivekeeper.experts.backbone",
+    "expert-server": "hivekeeper.experts.server",
+    "expert-trainer": "hivekeeper.experts.trainer",
+    "backbone-blocks": "hivekeeper.blocks.backbone",
+    "block-server": "hivekeeper.blocks.server",
+    "block-balancer": "hivekeeper.blocks.balancer",
+    "block-client": "hivekeeper.blocks.client_role",
 }
 
 
@@ -24,7 +31,12 @@ def _trainer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, help="append one JSON line per batch and per round to this file")
 
 
-EXTRA_ARGUMENTS = {"trainer": _trainer_arguments}
+def _block_server_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--blocks", default=None, metavar="START:END",
+                        help="hold exactly these blocks (no block selection, no moving)")
+
+
+EXTRA_ARGUMENTS = {"trainer": _trainer_arguments, "block-server": _block_server_arguments}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -18,8 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--swarm", default=None, metavar="NAME",
                         help="read every peer's report from the swarm's DHT instead (local or in a cluster)")
     parser.add_argument("--initial-peers", nargs="+", default=None, metavar="MADDR",
-                        help="with --swarm: backbone multiaddrs (a Swarm's .status.initialPeers; default: "
-                             "RUN_DIR/initial_peers.json)")
+                        help="with --swarm: backbone multiaddrs (a resource's .status.initialPeers; default: "
+                             "the run directory's)")
     parser.set_defaults(handler=run)
 
 
@@ -59,10 +59,17 @@ def run(args: argparse.Namespace) -> int:
         time.sleep(1.0)
 
 
+def _run_record(run_dir: Path) -> dict:
+    path = run_dir / "run.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def _monitor_port(run_dir: Path) -> int | None:
+    """The port of the role whose /status shows the run's progress (a Swarm's monitor, ...)."""
     ports = run_dir / "ports.json"
     if ports.exists():
-        return json.loads(ports.read_text()).get("monitor-0")
+        role = _run_record(run_dir).get("progressRole") or "monitor-0"
+        return json.loads(ports.read_text()).get(role)
     return None
 
 
@@ -73,17 +80,12 @@ def _from_dht(args: argparse.Namespace) -> int:
     from hivekeeper.peer_table import peer_table, read_reports
 
     peers = args.initial_peers
-    run_dir = Path(args.run_dir) if args.run_dir else None
-    if peers is None:
-        source = (run_dir or _newest_run()) / "initial_peers.json"
-        if not source.exists():
-            raise UserError(f"--initial-peers: none given and no {source}")
-        peers = json.loads(source.read_text())
-    if not args.swarm:
-        manifest = (run_dir or _newest_run()) / "manifest.json"
-        if not manifest.exists():
-            raise UserError("--swarm: give the resource's name")
-        args.swarm = json.loads(manifest.read_text())["metadata"]["name"]
+    if peers is None or not args.swarm:
+        run = _run_record(Path(args.run_dir) if args.run_dir else _newest_run())
+        peers = peers or run.get("initialPeers")
+        args.swarm = args.swarm or run.get("name")
+        if not peers or not args.swarm:
+            raise UserError("--swarm NAME --initial-peers MADDR...: give both, or a local run directory")
     try:
         reports = read_reports(peers, args.swarm)
     except Exception as e:  # hivemind raises what the bootstrap met: unreachable, a bad multiaddr...

@@ -37,9 +37,13 @@ def prepare_run(manifest: Manifest, run_dir: Path) -> tuple[Path, list]:
     roles = kind.roles(manifest, network, peer_ids, str(manifest_path.resolve()), str(run_dir.resolve()))
     (run_dir / "ports.json").write_text(json.dumps({role.name: role.ports[METRICS] for role in roles}, indent=2))
     backbone = [r for r in roles if r.component.startswith("backbone")]  # every kind's bootstrap peers
-    (run_dir / "initial_peers.json").write_text(json.dumps(
-        [network.backbone_maddr(r.index, r.ports[P2P], peer_ids[r.name], r.component) for r in backbone
-         if r.name in peer_ids]))
+    progress = next((r.name for r in roles if r.completes_run), None)
+    (run_dir / "run.json").write_text(json.dumps({
+        "kind": manifest.kind, "name": manifest.metadata.name,
+        "progressRole": progress,  # whose /status shows the run's progress (`hivekeeper status`)
+        "initialPeers": [network.backbone_maddr(r.index, r.ports[P2P], peer_ids[r.name], r.component)
+                         for r in backbone if r.name in peer_ids],
+    }, indent=2))
     return manifest_path, roles
 
 

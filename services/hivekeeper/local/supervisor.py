@@ -54,9 +54,10 @@ class Supervisor:
         self.children = [Child(role, log_dir / f"{role.name}.log") for role in roles]
 
     def start(self, ready_first: Sequence[str] = (), ready_timeout: float = 60.0) -> None:
-        """Start every child; the components in `ready_first` (the backbone, which the others
-        bootstrap from) start first and must answer /readyz before the rest start."""
-        first = [c for c in self.children if c.role.component in ready_first]
+        """Start every child; the components named by a prefix in `ready_first` (every kind's
+        backbone, which the others bootstrap from) start first and must answer /readyz before
+        the rest start."""
+        first = [c for c in self.children if c.role.component.startswith(tuple(ready_first))]
         for child in first:
             self._spawn(child)
         deadline = time.monotonic() + ready_timeout

@@ -58,18 +58,23 @@ class RoleStatus(SpecModel):
     ready: int = Field(0, ge=0, description="pods that pass their readiness probe")
 
 
-class SwarmStatus(SpecModel):
+class ResourceStatus(SpecModel):
+    """What the operator writes for every kind; each kind adds its roles and live figures."""
+
     observed_generation: Optional[int] = Field(None, description="the metadata.generation this status describes")
     phase: Optional[Literal["Pending", "Running", "Succeeded", "Failed", "Invalid"]] = None
     conditions: list[Condition] = Field(default_factory=list)
     ready_peers: Optional[str] = Field(None, description="ready pods / desired pods, all roles")
+    initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of the backbone peers")
     backbone: Optional[RoleStatus] = None
+
+
+class SwarmStatus(ResourceStatus):
     trainers: Optional[RoleStatus] = None
     auxiliary: Optional[RoleStatus] = None
     monitor: Optional[RoleStatus] = None
     balancer: Optional[RoleStatus] = None
     selector: Optional[str] = Field(None, description="label selector of the trainer pods (scale subresource)")
-    initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of the backbone peers")
     peers_alive: dict[str, int] = Field(default_factory=dict, description="peers reporting in the DHT, by role")
     global_step: Optional[int] = Field(None, ge=0, description="the collaboration's optimizer step (monitor)")
     samples_per_second: Optional[float] = Field(None, ge=0, description="collaboration throughput (monitor)")
@@ -160,6 +165,76 @@ register_kind(KindInfo(
     ),
     preserve_unknown=frozenset({"task.options"}),
     extra_constraints={"optimizer.betas[]": {"minimum": 0, "maximum": 1, "exclusiveMaximum": True}},
+))
+
+
+class ExpertPoolStatus(ResourceStatus):
+    servers: Optional[RoleStatus] = None
+    trainers: Optional[RoleStatus] = None
+    selector: Optional[str] = Field(None, description="label selector of the expert server pods (scale subresource)")
+    experts_hosted: Optional[int] = Field(None, ge=0, description="experts the spec spreads over the servers")
+    experts_alive: Optional[int] = Field(None, ge=0, description="experts announced in the DHT and not expired")
+    assignment: dict[str, list[str]] = Field(default_factory=dict, description="expert uids each server holds")
+    step: Optional[int] = Field(None, ge=0, description="trainer batches done (trainer 0)")
+    samples_per_second: Optional[float] = Field(None, ge=0, description="trainer throughput (trainer 0)")
+    loss: Optional[float] = None
+    eval_metrics: dict[str, float] = Field(default_factory=dict, description="latest held-out metrics")
+
+
+register_kind(KindInfo(
+    kind="ExpertPool",
+    plural="expertpools",
+    short_names=("ep",),
+    description="A Learning@home decentralized mixture-of-experts: expert servers holding the experts of a "
+                "d-dimensional grid, announced in the DHT, and trainers whose DMoE layers pick top-k experts by "
+                "beam search (`hivekeeper up` runs the same manifest on one machine).",
+    status_model=ExpertPoolStatus,
+    spec_replicas_path=".spec.servers.replicas",
+    status_replicas_path=".status.servers.replicas",
+    label_selector_path=".status.selector",
+    printer_columns=(
+        PrinterColumn("Phase", "string", ".status.phase"),
+        PrinterColumn("Ready", "string", ".status.readyPeers", "ready pods / desired pods"),
+        PrinterColumn("Servers", "integer", ".status.servers.ready", "ready expert server pods"),
+        PrinterColumn("Experts", "integer", ".status.expertsAlive", "experts announced in the DHT"),
+        PrinterColumn("Step", "integer", ".status.step", "trainer batches done"),
+        PrinterColumn("Samples/s", "number", ".status.samplesPerSecond", "trainer throughput", priority=1),
+        AGE,
+    ),
+    preserve_unknown=frozenset({"task.options"}),
+))
+
+
+class BlockServerStatus(ResourceStatus):
+    servers: Optional[RoleStatus] = None
+    balancer: Optional[RoleStatus] = None
+    client: Optional[RoleStatus] = None
+    selector: Optional[str] = Field(None, description="label selector of the block server pods (scale subresource)")
+    num_blocks: Optional[int] = Field(None, ge=0, description="transformer blocks of the model")
+    served_blocks: Optional[str] = Field(None, description="blocks held by an online server / all blocks")
+    min_block_throughput: Optional[float] = Field(
+        None, ge=0, description="tokens/s of the worst-served block, online servers summed")
+    spans: dict[str, str] = Field(default_factory=dict, description="server -> 'first-last' block it holds")
+
+
+register_kind(KindInfo(
+    kind="BlockServer",
+    plural="blockservers",
+    short_names=("bs",),
+    description="Petals: servers that each hold a contiguous span of a causal language model's transformer "
+                "blocks; clients run inference and parameter-efficient fine-tuning through chains of servers "
+                "(`hivekeeper up` runs the same manifest on one machine).",
+    status_model=BlockServerStatus,
+    spec_replicas_path=".spec.servers.replicas",
+    status_replicas_path=".status.servers.replicas",
+    label_selector_path=".status.selector",
+    printer_columns=(
+        PrinterColumn("Phase", "string", ".status.phase"),
+        PrinterColumn("Ready", "string", ".status.readyPeers", "ready pods / desired pods"),
+        PrinterColumn("Blocks", "string", ".status.servedBlocks", "blocks served / all blocks"),
+        PrinterColumn("Throughput", "number", ".status.minBlockThroughput", "tokens/s of the worst-served block"),
+        AGE,
+    ),
 ))
 
 

@@ -12,13 +12,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hivekeeper import API_GROUP, API_VERSION
 from hivekeeper.errors import UserError, format_validation_error
+from hivekeeper.spec.blockserver import BlockServerSpec
+from hivekeeper.spec.expertpool import ExpertPoolSpec
 from hivekeeper.spec.swarm import SwarmSpec
 
 API = f"{API_GROUP}/{API_VERSION}"
 # RFC 1123 label: names become pod, service and DNS names.
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
-SPEC_MODELS: dict[str, type[BaseModel]] = {"Swarm": SwarmSpec}
+SPEC_MODELS: dict[str, type[BaseModel]] = {"Swarm": SwarmSpec, "ExpertPool": ExpertPoolSpec,
+                                            "BlockServer": BlockServerSpec}
 
 SpecT = TypeVar("SpecT", bound=BaseModel)
 

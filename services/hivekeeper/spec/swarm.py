@@ -147,7 +147,8 @@ class TargetMetric(SpecModel):
 
 
 class StoppingSpec(SpecModel):
-    target_steps: Optional[int] = Field(None, ge=1, description="stop after this many global steps")
+    target_steps: Optional[int] = Field(
+        None, ge=1, description="stop after this many steps (a Swarm's global steps, an ExpertPool's trainer batches)")
     target_metric: Optional[TargetMetric] = None
     max_wall_seconds: Optional[float] = Field(None, gt=0, description="give up after this long (local runs)")
 
@@ -156,6 +157,19 @@ class StoppingSpec(SpecModel):
         if self.target_steps is None and self.target_metric is None:
             raise ValueError("set targetSteps and/or targetMetric, or the run never ends")
         return self
+
+    def reached(self, step: int, metrics: dict[str, float], elapsed_seconds: float) -> Optional[str]:
+        """Why the run is done at `step` with held-out `metrics`, or None if it goes on."""
+        if self.target_steps is not None and step >= self.target_steps:
+            return f"reached targetSteps={self.target_steps}"
+        target = self.target_metric
+        if target is not None and target.name in metrics:
+            value = metrics[target.name]
+            if (value >= target.value) if target.mode == "max" else (value <= target.value):
+                return f"{target.name}={value:.4f} reached target {target.value}"
+        if self.max_wall_seconds is not None and elapsed_seconds > self.max_wall_seconds:
+            return f"maxWallSeconds={self.max_wall_seconds} elapsed"
+        return None
 
 
 class SwarmSpec(SpecModel):

@@ -84,7 +84,10 @@ class RoleContext:
         for attempt in range(1, attempts + 1):
             try:
                 return self._make_dht(client_mode)
-            except P2PDaemonError as e:
+            # p2pd's own bootstrap error, or hivemind's "DHTNode bootstrap failed" when the
+            # backbone is up but does not answer yet (the local runner starts it first, but a
+            # loaded machine may still be slow)
+            except (P2PDaemonError, RuntimeError) as e:
                 if attempt == attempts or "bootstrap" not in str(e):
                     raise
                 logging.getLogger("hivekeeper").warning(

@@ -189,17 +189,7 @@ class Monitor:
         return path
 
     def stopping_reason(self, global_step: int) -> str | None:
-        stopping = self.ctx.spec.stopping
-        if stopping.target_steps is not None and global_step >= stopping.target_steps:
-            return f"reached targetSteps={stopping.target_steps}"
-        target = stopping.target_metric
-        if target is not None and target.name in self.eval_metrics:
-            value = self.eval_metrics[target.name]
-            if (value >= target.value) if target.mode == "max" else (value <= target.value):
-                return f"{target.name}={value:.4f} reached target {target.value}"
-        if stopping.max_wall_seconds is not None and time.time() - self.started > stopping.max_wall_seconds:
-            return f"maxWallSeconds={stopping.max_wall_seconds} elapsed"
-        return None
+        return self.ctx.spec.stopping.reached(global_step, self.eval_metrics, time.time() - self.started)
 
     def finish(self, reason: str) -> None:
         from hivemind.utils import get_dht_time

@@ -1,0 +1,1 @@
+"""The ExpertPool kind: Learning@home's decentralized mixture-of-experts on hivemind.moe."""

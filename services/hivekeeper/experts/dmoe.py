@@ -1,0 +1,266 @@
+"""The decentralized mixture-of-experts layer (Learning@home 3.1, 3.2).
+
+Gating is additive over the grid: one linear layer per grid dimension, g(x, f) = sum_i g_i(x)[u_i].
+hivemind's beam search over DHT prefixes picks each example's top-k announced experts; the
+layer sends every chosen expert one request holding all the examples routed to it, waits until
+each example has kMin replies (then `timeout_after_k_min` more for stragglers, never beyond
+`forward_timeout`), and averages the replies with softmax weights renormalized over the experts
+that answered. The backward pass sends each answering expert its examples' output gradients,
+which makes the server update that expert; an expert that fails then contributes no gradient.
+
+Why not hivemind's RemoteMixtureOfExperts as is: it sends one request per example per expert
+(k x batch requests a layer, each batched again on the server), its batched beam search passes
+`num_workers` where `cache_expiration` belongs (negative caching then raises in the background),
+its beam search asks the DHT separately for every example (`beam.py` asks once a step for the
+batch), and it cannot inject the network delay the throughput benchmark needs. The DHT records,
+the server stubs and the wire format are hivemind's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Sequence
+
+import numpy as np
+import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.dht import DHT
+from hivemind.moe.client.expert import expert_backward, expert_forward, get_server_stub
+from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
+from hivemind.moe.expert_uid import ExpertInfo
+from hivemind.p2p import P2P
+from hivemind.proto.runtime_pb2 import CompressionType
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from hivekeeper.experts.beam import batch_beam_search, fetch_from_dht
+from hivekeeper.experts.grid import UID_DELIMITER
+
+# hivemind's DHT process reads its request pipe non-blocking: a request that multiprocessing
+# writes in two parts (over 16 KiB pickled) is read half, and the DHT process then dies
+MAX_DHT_REQUEST_BYTES = 12_000
+
+
+class ExpertsUnavailable(RuntimeError):
+    """Some example got fewer than kMin expert replies: its batch cannot be computed."""
+
+
+@dataclass
+class CallStats:
+    """Outcomes of expert requests, for metrics and /status (updated from several threads;
+    integer increments under the GIL are good enough for counters)."""
+
+    ok: int = 0
+    failed: int = 0
+    beam_search_seconds: list[float] = field(default_factory=list)  # since the reader last took them
+
+    def record_search(self, seconds: float) -> None:
+        self.beam_search_seconds = (self.beam_search_seconds + [seconds])[-1000:]
+
+
+class ExpertClient:
+    """Requests to expert servers over the DHT's p2p daemon, on hivemind's client event loop.
+    `delay_mean` adds an exponentially distributed delay to every request (Learning@home 4.1
+    emulates network latency this way)."""
+
+    def __init__(self, dht: DHT, delay_mean: float = 0.0, seed: int | None = None):
+        self.dht = dht
+        self.delay_mean = delay_mean
+        self._rng = random.Random(seed)
+        self.p2p: P2P = RemoteExpertWorker.run_coroutine(dht.replicate_p2p())
+        self.stats = CallStats()
+        self.dht_lock = threading.Lock()  # DHT requests share one pipe: one sender at a time
+
+    def call(self, expert: ExpertInfo, tensors: Sequence[torch.Tensor], backward: bool = False) -> Future:
+        """A future of the expert's outputs (forward) or input gradients (backward)."""
+        delay = self._rng.expovariate(1.0 / self.delay_mean) if self.delay_mean > 0 else 0.0
+        return RemoteExpertWorker.run_coroutine(self._call(expert, list(tensors), backward, delay), return_future=True)
+
+    async def _call(self, expert: ExpertInfo, tensors: list[torch.Tensor], backward: bool,
+                    delay: float) -> list[torch.Tensor]:
+        if delay:
+            await asyncio.sleep(delay)
+        stub = get_server_stub(self.p2p, expert.peer_id)
+        serialized = [serialize_torch_tensor(t, CompressionType.NONE) for t in tensors]
+        send = expert_backward if backward else expert_forward
+        return await send(expert.uid, tensors, serialized, stub)
+
+    def find_best_experts(self, uid_prefix: str, grid_scores: list[torch.Tensor], k: int) -> list[list[ExpertInfo]]:
+        """Each example's top-k announced experts by beam search over DHT prefixes (`beam.py`)."""
+        started = time.perf_counter()
+        sizes = [s.shape[1] for s in grid_scores]
+        scores = torch.cat([s.float() for s in grid_scores], dim=1).numpy()
+        rows = max(1, MAX_DHT_REQUEST_BYTES // (4 * sum(sizes)))  # examples per DHT request
+        with self.dht_lock:
+            pending = [self.dht.run_coroutine(_BatchBeamSearch(uid_prefix, scores[i:i + rows].tobytes(), sizes, k),
+                                              return_future=True) for i in range(0, len(scores), rows)]
+        found = [choices for part in pending for choices in part.result()]
+        self.stats.record_search(time.perf_counter() - started)
+        return found
+
+
+@dataclass
+class _BatchBeamSearch:
+    """The beam search of a batch, run inside the DHT process, where the DHT node and its cache are.
+    (A picklable callable that DHT.run_coroutine ships to that process; scores as float32 bytes.)"""
+
+    uid_prefix: str
+    scores: bytes
+    sizes: list[int]
+    k: int
+
+    async def __call__(self, dht, node) -> list[list[ExpertInfo]]:
+        flat = np.frombuffer(self.scores, dtype=np.float32).reshape(-1, sum(self.sizes))
+        bounds = np.cumsum([0, *self.sizes])
+        per_example = [[row[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])] for row in flat]
+        return await batch_beam_search(self.uid_prefix, per_example, self.k, partial(fetch_from_dht, node))
+
+
+@dataclass
+class Routing:
+    """Which examples (and which of their k slots) each chosen expert serves."""
+
+    experts: list[ExpertInfo]
+    examples: list[torch.Tensor]  # per expert: example indices
+    slots: list[torch.Tensor]  # per expert: the slot each of those examples gave it
+    batch_size: int
+    k: int
+
+    @classmethod
+    def from_choices(cls, choices: list[list[ExpertInfo]], k: int) -> "Routing":
+        by_uid: dict[str, tuple[ExpertInfo, list[int], list[int]]] = {}
+        for example, chosen in enumerate(choices):
+            for slot, expert in enumerate(chosen):
+                entry = by_uid.setdefault(expert.uid, (expert, [], []))
+                entry[1].append(example)
+                entry[2].append(slot)
+        experts, examples, slots = [], [], []
+        for expert, rows, cols in by_uid.values():
+            experts.append(expert)
+            examples.append(torch.tensor(rows, dtype=torch.long))
+            slots.append(torch.tensor(cols, dtype=torch.long))
+        return cls(experts, examples, slots, len(choices), k)
+
+
+def _wait(futures: dict[Future, int], routing: Routing, k_min: int, timeout: float,
+          timeout_after_k_min: float) -> dict[int, list[torch.Tensor]]:
+    """Replies by expert index: every example gets min(kMin, its experts) replies if it can, plus
+    whatever arrives within `timeout_after_k_min` after that, all within `timeout`."""
+    needed = torch.zeros(routing.batch_size, dtype=torch.long)
+    for rows in routing.examples:
+        needed[rows] += 1
+    needed = needed.clamp(max=k_min)
+    have = torch.zeros_like(needed)
+    replies: dict[int, list[torch.Tensor]] = {}
+    deadline = time.monotonic() + timeout
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+        if not done:
+            break
+        for future in done:
+            index = futures[future]
+            if future.exception() is None:
+                replies[index] = future.result()
+                have[routing.examples[index]] += 1
+        if bool((have >= needed).all()):
+            deadline = min(deadline, time.monotonic() + timeout_after_k_min)
+    for future in pending:
+        future.cancel()
+    return replies
+
+
+class _RemoteExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, client: ExpertClient, routing: Routing, k_min: int, forward_timeout: float,
+                timeout_after_k_min: float, backward_timeout: float) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.detach().cpu()
+        futures = {client.call(expert, [x[rows]]): i for i, (expert, rows) in enumerate(zip(routing.experts,
+                                                                                          routing.examples))}
+        replies = _wait(futures, routing, k_min, forward_timeout, timeout_after_k_min)
+        client.stats.ok += len(replies)
+        client.stats.failed += len(futures) - len(replies)
+        outputs = x.new_zeros(routing.batch_size, routing.k, *x.shape[1:])
+        mask = torch.zeros(routing.batch_size, routing.k, dtype=torch.bool)
+        for i, (output,) in replies.items():
+            outputs[routing.examples[i], routing.slots[i]] = output
+            mask[routing.examples[i], routing.slots[i]] = True
+        ctx.client, ctx.routing, ctx.answered, ctx.timeout = client, routing, sorted(replies), backward_timeout
+        ctx.save_for_backward(x)
+        ctx.mark_non_differentiable(mask)
+        return mask, outputs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, _grad_mask: torch.Tensor, grad_outputs: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        routing: Routing = ctx.routing
+        grad_outputs = grad_outputs.cpu()
+        futures = {}
+        for i in ctx.answered:
+            rows, slots = routing.examples[i], routing.slots[i]
+            futures[ctx.client.call(routing.experts[i], [x[rows], grad_outputs[rows, slots]], backward=True)] = i
+        # every answering expert gets its gradient (and updates); wait for all within the timeout
+        replies = _wait(futures, routing, k_min=routing.k, timeout=ctx.timeout, timeout_after_k_min=ctx.timeout)
+        ctx.client.stats.ok += len(replies)
+        ctx.client.stats.failed += len(futures) - len(replies)
+        grad_x = torch.zeros_like(x)
+        for i, (grad,) in replies.items():
+            grad_x.index_add_(0, routing.examples[i], grad.to(grad_x.dtype))
+        return grad_x, None, None, None, None, None, None
+
+
+class DMoE(nn.Module):
+    """DMoE(x) = sum over TopK(x) of f(x) * softmax(g(x, f)), renormalized over the experts that answered.
+    Input and output: [batch, hidden] (feed-forward experts) or [batch, tokens, hidden]
+    (Transformer experts; the gating then sees the mean over tokens)."""
+
+    def __init__(self, client: ExpertClient, uid_prefix: str, grid: Sequence[int], hidden_size: int, k_best: int,
+                 k_min: int = 1, forward_timeout: float = 10.0, timeout_after_k_min: float = 1.0,
+                 backward_timeout: float = 10.0):
+        super().__init__()
+        self.client, self.uid_prefix, self.grid = client, uid_prefix, tuple(grid)
+        self.gates = nn.ModuleList(nn.Linear(hidden_size, m) for m in self.grid)
+        self.k_best, self.k_min = k_best, k_min
+        self.forward_timeout, self.timeout_after_k_min = forward_timeout, timeout_after_k_min
+        self.backward_timeout = backward_timeout
+        self.last_choices: list[list[ExpertInfo]] = []  # the latest forward's choices (tests, bookkeeping)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_input = x if x.ndim == 2 else x.mean(dim=tuple(range(1, x.ndim - 1)))
+        grid_scores = [gate(gate_input) for gate in self.gates]
+        choices = self.client.find_best_experts(self.uid_prefix, [s.detach().cpu() for s in grid_scores], self.k_best)
+        if not any(choices):
+            raise ExpertsUnavailable(f"no experts with prefix {self.uid_prefix!r} are announced in the DHT")
+        self.last_choices = choices
+        routing = Routing.from_choices(choices, self.k_best)
+        mask, outputs = _RemoteExperts.apply(x, self.client, routing, self.k_min, self.forward_timeout,
+                                             self.timeout_after_k_min, self.backward_timeout)
+        answered = mask.sum(dim=1)
+        short = (answered < torch.tensor([min(self.k_min, len(c)) for c in choices])) | (answered == 0)
+        if bool(short.any()):
+            raise ExpertsUnavailable(f"{int(short.sum())} of {len(choices)} examples got fewer than kMin="
+                                     f"{self.k_min} expert replies")
+        logits = self._expert_logits(grid_scores, choices).to(x.device)
+        weights = torch.softmax(logits.masked_fill(~mask.to(x.device), float("-inf")), dim=1)
+        weights = weights.view(*weights.shape, *([1] * (outputs.ndim - 2)))
+        return (weights * outputs.to(x.device)).sum(dim=1)
+
+    def _expert_logits(self, grid_scores: list[torch.Tensor], choices: list[list[ExpertInfo]]) -> torch.Tensor:
+        """g(x, f) = sum_i g_i(x)[u_i] for each example's chosen experts; -inf pads missing slots."""
+        rows, slots, cells = [], [], []
+        for example, chosen in enumerate(choices):
+            for slot, expert in enumerate(chosen):
+                rows.append(example)
+                slots.append(slot)
+                cells.append([int(c) for c in expert.uid[len(self.uid_prefix) + 1:].split(UID_DELIMITER)])
+        rows_t, cells_t = torch.tensor(rows), torch.tensor(cells)
+        flat = sum(scores[rows_t, cells_t[:, i]] for i, scores in enumerate(grid_scores))
+        logits = grid_scores[0].new_full((len(choices), self.k_best), float("-inf"))
+        return logits.index_put((rows_t, torch.tensor(slots)), flat)

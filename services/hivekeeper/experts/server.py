@@ -1,0 +1,128 @@
+"""Expert server role: hosts its share of the grid with hivemind's MoE Server (requests batched
+per expert by task pools, a runtime that runs them and applies each backward request as an
+optimizer step, experts announced in the DHT with expiry), checks requests before they reach an
+expert, and checkpoints its experts so that a replacement resumes them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+from hivemind.moe.server.server import Server
+
+from hivekeeper.experts.backend import ExpertBackend, make_backend
+from hivekeeper.experts.checkpoints import load_expert, save_expert
+from hivekeeper.experts.common import load_pool_context
+from hivekeeper.experts.grid import server_experts
+from hivekeeper.experts.handler import CheckedConnectionHandler
+from hivekeeper.swarm.common import RoleContext, install_signal_handlers, setup_logging
+
+log = logging.getLogger("hivekeeper.experts.server")
+CONNECTION_HANDLERS = 2  # processes taking requests; each serves many at once (asyncio)
+REPORT_SECONDS = 1.0
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging("expert-server", args.index)
+    ctx = load_pool_context("expert-server", args, signals=False)
+    return ExpertServer(ctx).run()
+
+
+class ExpertServer:
+    def __init__(self, ctx: RoleContext):
+        self.ctx = ctx
+        spec = ctx.spec
+        self.uids = server_experts(spec, ctx.args.index)
+        self.checkpoint_dir = Path(spec.checkpoint.dir or Path(ctx.args.run_dir) / "experts")
+        self.backends: dict[str, ExpertBackend] = {}
+        self.saved_updates: dict[str, int] = {}
+        self._save_lock = threading.Lock()
+
+    def load_experts(self) -> dict[str, int]:
+        """Create the experts, resuming each from its checkpoint where there is one."""
+        resumed = {}
+        for uid in self.uids:
+            backend = make_backend(self.ctx.spec, uid)
+            found = load_expert(self.checkpoint_dir, uid) if self.ctx.spec.checkpoint.enabled else None
+            if found is not None:
+                state, backend.updates = found
+                backend.load_state_dict(state)
+                resumed[uid] = backend.updates
+            self.backends[uid] = backend
+            self.saved_updates[uid] = backend.updates
+        return resumed
+
+    def save(self) -> int:
+        """Checkpoint every expert updated since its last save; returns how many were written."""
+        written = 0
+        with self._save_lock:
+            for uid, backend in self.backends.items():
+                if backend.updates == self.saved_updates.get(uid) and (self.checkpoint_dir / f"{uid}.pt").exists():
+                    continue
+                state, updates = backend.snapshot()
+                save_expert(self.checkpoint_dir, uid, state, updates)
+                self.saved_updates[uid] = updates
+                written += 1
+        self.ctx.metrics.checkpoints.inc(written)
+        return written
+
+    def run(self) -> int:
+        ctx, spec = self.ctx, self.ctx.spec
+        torch.set_num_threads(1)  # many processes share the cores; one thread each
+        ctx.start_endpoint()
+        dht = ctx.make_dht()
+        log.info("joined the DHT", extra={"fields": {"peer_id": str(dht.peer_id)}})
+        resumed = self.load_experts()
+        server = Server(dht, self.backends, num_connection_handlers=CONNECTION_HANDLERS,
+                        update_period=spec.servers.announce_period_seconds,
+                        expiration=spec.servers.announce_expiration_seconds,
+                        device="cuda" if torch.cuda.is_available() else "cpu")
+        server.conn_handlers = [CheckedConnectionHandler(dht, self.backends) for _ in range(CONNECTION_HANDLERS)]
+        server.daemon = True  # its runtime loop must not keep the process alive once we have shut down
+        server.run_in_background(await_ready=True, timeout=60)
+        # after the fork of hivemind's workers: they keep the default handlers and die with the group
+        install_signal_handlers(ctx.stop)
+        ctx.metrics.experts_hosted.set(len(self.backends))
+        if spec.checkpoint.enabled:
+            self.save()  # fresh experts get a checkpoint at once: a replacement starts from the same weights
+        log.info("expert server up", extra={"fields": {"peer_id": str(dht.peer_id), "experts": self.uids,
+                                                       "resumed": resumed}})
+        ctx.endpoint.ready.set()
+        last_save = time.monotonic()
+        try:
+            while not ctx.stop.wait(REPORT_SECONDS):
+                self.report(dht, resumed)
+                if spec.checkpoint.enabled and time.monotonic() - last_save >= spec.checkpoint.every_seconds:
+                    self.save()
+                    last_save = time.monotonic()
+        finally:
+            ctx.endpoint.ready.clear()
+            if spec.checkpoint.enabled:
+                self.save()  # the latest updates survive a clean stop
+            shutdown(server)
+        log.info("expert server stopped", extra={"fields": {"updates": {u: b.updates for u, b in self.backends.items()}}})
+        return 0
+
+    def report(self, dht, resumed: dict[str, int]) -> None:
+        experts = {uid: {"updates": b.updates, "forwardBatches": b.forward_batches} for uid, b in self.backends.items()}
+        for uid, entry in experts.items():
+            self.ctx.metrics.expert_updates.labels(uid).set(entry["updates"])
+            self.ctx.metrics.expert_forward_batches.labels(uid).set(entry["forwardBatches"])
+        self.ctx.status.update(experts=experts, resumed=resumed, peerId=str(dht.peer_id),
+                               checkpointDir=str(self.checkpoint_dir))
+        self.ctx.publish_report(dht, {"experts": sorted(experts)})
+
+
+def shutdown(server: Server) -> None:
+    """Server.shutdown, without the waits that never end when the worker processes are already
+    gone (`hivekeeper up` stops a role by signalling its whole process group): the announcing
+    thread may be blocked on a dead DHT, so it is told to stop but not joined (it is a daemon)."""
+    for handler in server.conn_handlers:
+        handler.shutdown()
+    server.dht_handler_thread.stop.set()
+    server.runtime.shutdown()
+    server.dht.shutdown()

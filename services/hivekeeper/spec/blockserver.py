@@ -1,0 +1,118 @@
+"""The BlockServer resource (Petals): servers that each hold a contiguous span of a causal
+language model's transformer blocks, and a scripted client that generates through them.
+
+The CRD schema is generated from these models (`hivekeeper.spec.crd`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+from pydantic import Field, StrictBool, model_validator
+
+from hivekeeper.spec.base import SpecModel
+from hivekeeper.spec.swarm import Resources
+
+WireCompression = Literal["none", "float16", "blockwise8bit"]
+
+
+class TinyModelSpec(SpecModel):
+    """A small model built from a config with seeded random weights: identical in every process."""
+
+    architecture: Literal["llama", "gpt2"] = "llama"
+    hidden_size: int = Field(64, ge=8, le=4096)
+    num_layers: int = Field(6, ge=1, le=128)
+    num_heads: int = Field(4, ge=1, le=64)
+    vocab_size: int = Field(256, ge=2, le=262144, description="256: bytes are tokens, no tokenizer needed")
+    max_positions: int = Field(512, ge=8, le=65536)
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "TinyModelSpec":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hiddenSize ({self.hidden_size}) must be a multiple of numHeads ({self.num_heads})")
+        return self
+
+
+class ModelSpec(SpecModel):
+    checkpoint: Optional[str] = Field(
+        None, min_length=1, description="local Hugging Face folder (save_pretrained); never downloaded")
+    tiny: Optional[TinyModelSpec] = Field(None, description="used when no checkpoint is given")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSpec":
+        if self.checkpoint is not None and self.tiny is not None:
+            raise ValueError("set either checkpoint or tiny, not both")
+        if self.checkpoint is None and self.tiny is None:
+            self.tiny = TinyModelSpec()
+        return self
+
+
+class ServersSpec(SpecModel):
+    replicas: int = Field(3, ge=0, description="block servers")
+    span_length: Optional[int] = Field(
+        None, ge=1, description="blocks each server holds; default: enough for the servers to cover the model")
+    cache_tokens: int = Field(
+        8192, ge=1, description="attention-cache token positions a server keeps for all sessions together")
+    max_session_tokens: int = Field(2048, ge=1, description="the longest inference session (prompt + generated)")
+    session_timeout_seconds: float = Field(120.0, gt=0, description="an idle session's cache is freed after this")
+    weights: Literal["float32", "int8"] = Field("float32", description="int8: per-row 8-bit weights, dequantized per call")
+    balance_quality: float = Field(
+        0.75, gt=0, description="move to another span only if the worst block's throughput rises so that old/new < this")
+    rebalance_seconds: float = Field(30.0, gt=0, description="how often an online server checks whether to move")
+    torch_threads: int = Field(
+        1, ge=1, description="CPU threads per server for torch; more pay off only for large blocks")
+    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
+
+
+class BalancerSpec(SpecModel):
+    """Computes a global span assignment maximizing the worst block's throughput and publishes it."""
+
+    enabled: StrictBool = True
+    replan_seconds: float = Field(10.0, gt=0)
+
+
+class ClientSpec(SpecModel):
+    """A scripted client: generates from a prompt through the servers, then the run is done."""
+
+    enabled: StrictBool = True
+    prompt: str = Field("def fibonacci(n):", min_length=1)
+    new_tokens: int = Field(32, ge=1, le=4096)
+    do_sample: StrictBool = Field(False, description="false: greedy decoding")
+    temperature: float = Field(1.0, gt=0)
+    top_k: Optional[int] = Field(None, ge=1)
+    seed: int = Field(0, ge=0, description="sampling seed")
+    verify_local: StrictBool = Field(
+        True, description="also generate with the whole model in the client's process and compare tokens")
+
+
+class BlockServerSpec(SpecModel):
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    servers: ServersSpec = Field(default_factory=ServersSpec)
+    compression: WireCompression = Field("none", description="hidden states on the wire")
+    balancer: BalancerSpec = Field(default_factory=BalancerSpec)
+    client: ClientSpec = Field(default_factory=ClientSpec)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "BlockServerSpec":
+        tiny = self.model.tiny
+        if tiny is not None:
+            needed = self.client.new_tokens + len(self.client.prompt.encode())
+            if self.client.enabled and needed > min(tiny.max_positions, self.servers.max_session_tokens):
+                raise ValueError(
+                    f"client: prompt ({len(self.client.prompt.encode())} tokens) + newTokens ({self.client.new_tokens})"
+                    f" exceed the model's maxPositions or servers.maxSessionTokens")
+            if self.servers.span_length is not None and self.servers.span_length > tiny.num_layers:
+                raise ValueError(f"servers.spanLength ({self.servers.span_length}) exceeds the model's "
+                                 f"{tiny.num_layers} blocks")
+        if self.servers.max_session_tokens > self.servers.cache_tokens:
+            raise ValueError(f"servers.maxSessionTokens ({self.servers.max_session_tokens}) exceeds "
+                             f"servers.cacheTokens ({self.servers.cache_tokens})")
+        return self
+
+
+def span_length(spec: BlockServerSpec, num_blocks: int) -> int:
+    """Blocks per server: the spec's, or the fewest with which the servers cover the model."""
+    if spec.servers.span_length is not None:
+        return min(spec.servers.span_length, num_blocks)
+    return math.ceil(num_blocks / max(spec.servers.replicas, 1))

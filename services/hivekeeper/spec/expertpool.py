@@ -1,0 +1,128 @@
+"""The ExpertPool resource (Learning@home decentralized mixture-of-experts): expert servers
+that together hold the experts of a d-dimensional grid, and trainers whose DMoE layers pick
+top-k experts from the grid by beam search over the DHT.
+
+The CRD schema is generated from these models (`hivekeeper.spec.crd`); the status model lives
+there too (it imports the manifest module, which imports this one)."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal, Optional
+
+from pydantic import Field, StrictBool, model_validator
+
+from hivekeeper.spec.base import SpecModel
+from hivekeeper.spec.swarm import BackboneSpec, OptimizerSpec, Resources, StoppingSpec, TaskSpec
+
+DIGITS_PIXELS = 64  # the digits task's 8x8 images: what a transformer trainer splits into tokens
+
+
+class GridSpec(SpecModel):
+    """Expert uids are PREFIX.u0.u1...u(d-1) with ui in [0, dimensions[i]) (Learning@home 3.2)."""
+
+    uid_prefix: str = Field("expert", pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$", max_length=40,
+                            description="first part of every expert uid (no dots)")
+    dimensions: list[Annotated[int, Field(ge=1, le=256)]] = Field(
+        default_factory=lambda: [4, 4], min_length=1, max_length=4, description="M for each of the d grid dimensions")
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.dimensions)
+
+
+class ExpertSpec(SpecModel):
+    type: Literal["feedforward", "transformer"] = Field(
+        "feedforward", description="feedforward: vectors in, vectors out; transformer: an encoder block over tokens")
+    hidden_size: int = Field(64, ge=4, le=8192, description="input and output width of every expert")
+    ffn_multiplier: int = Field(4, ge=1, le=16, description="inner width = hiddenSize x this")
+    num_heads: int = Field(4, ge=1, le=128, description="attention heads (transformer)")
+    sequence_length: int = Field(8, ge=1, le=8192, description="tokens per example (transformer)")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ExpertSpec":
+        if self.type == "transformer" and self.hidden_size % self.num_heads:
+            raise ValueError(f"hiddenSize ({self.hidden_size}) must be divisible by numHeads ({self.num_heads})")
+        return self
+
+
+class ServerSpec(SpecModel):
+    replicas: int = Field(2, ge=1, description="expert servers; the grid is spread over them")
+    experts_per_server: Optional[int] = Field(
+        None, ge=1, description="experts each server holds; default: the grid divided evenly over the servers")
+    max_batch_size: int = Field(1024, ge=1, description="examples a server batches into one expert call")
+    announce_period_seconds: float = Field(2.0, gt=0, description="how often servers re-announce their experts")
+    announce_expiration_seconds: float = Field(
+        6.0, gt=0, description="DHT entries of a server's experts expire this long after its last announcement")
+    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
+
+
+class CheckpointSpec(SpecModel):
+    enabled: StrictBool = True
+    dir: Optional[str] = Field(None, description="shared by all servers; default: RUN_DIR/experts, or the pod's volume")
+    every_seconds: float = Field(5.0, gt=0, description="servers save their experts this often (and at shutdown)")
+
+
+class DMoESpec(SpecModel):
+    """The trainer's decentralized mixture-of-experts layers (Learning@home 3.1, 3.2)."""
+
+    layers: int = Field(2, ge=1, le=16, description="DMoE layers in the trainer's model")
+    k_best: int = Field(4, ge=1, description="experts each example is sent to (top-k by beam search)")
+    k_min: int = Field(1, ge=1, description="an example needs this many responding experts, or its batch fails")
+    forward_timeout_seconds: float = Field(10.0, gt=0, description="give up on an expert's forward reply after this")
+    timeout_after_k_min_seconds: float = Field(
+        1.0, gt=0, description="once every example has kMin replies, wait this much longer for the rest")
+    backward_timeout_seconds: float = Field(10.0, gt=0, description="give up on an expert's backward reply after this")
+
+
+class ExpertTrainerSpec(SpecModel):
+    replicas: int = Field(1, ge=1, description="trainers; each has its own gating and local layers, the experts are shared")
+    batch_size: int = Field(32, ge=1)
+    batches_in_flight: int = Field(4, ge=1, le=256, description="asynchronous training: batches processed concurrently")
+    optimizer: OptimizerSpec = Field(default_factory=lambda: OptimizerSpec(learning_rate=3e-3),
+                                     description="for the trainer's own parameters (gating, input and output layers)")
+    dmoe: DMoESpec = Field(default_factory=DMoESpec)
+    eval_every_steps: int = Field(20, ge=1, description="evaluate held-out metrics every N batches")
+    resources: Resources = Field(default_factory=Resources)
+
+
+class ExpertPoolSpec(SpecModel):
+    task: TaskSpec = Field(default_factory=TaskSpec, description="the data trainers learn from (digits)")
+    grid: GridSpec = Field(default_factory=GridSpec)
+    expert: ExpertSpec = Field(default_factory=ExpertSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec,
+                                     description="how servers update expert weights on each backward request")
+    backbone: BackboneSpec = Field(default_factory=BackboneSpec)
+    servers: ServerSpec = Field(default_factory=ServerSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    trainers: ExpertTrainerSpec = Field(default_factory=ExpertTrainerSpec)
+    stopping: StoppingSpec = Field(default_factory=lambda: StoppingSpec(target_steps=200))
+
+    @property
+    def hosted_experts(self) -> int:
+        """Experts the servers hold: the grid may leave room for more (Learning@home 3.2)."""
+        per_server = self.servers.experts_per_server or math.ceil(self.grid.size / self.servers.replicas)
+        return min(self.grid.size, per_server * self.servers.replicas)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ExpertPoolSpec":
+        if self.task.name != "digits":
+            raise ValueError(f"task.name: ExpertPool trainers learn the digits task (got {self.task.name!r})")
+        from hivekeeper.tasks import check_task_options  # imports torch: only once the rest is valid
+
+        error = check_task_options(self.task.name, self.task.options)
+        if error:
+            raise ValueError(f"task.{error}")
+        dmoe = self.trainers.dmoe
+        if dmoe.k_min > dmoe.k_best:
+            raise ValueError(f"trainers.dmoe.kMin ({dmoe.k_min}) exceeds kBest ({dmoe.k_best})")
+        if dmoe.k_best > self.hosted_experts:
+            raise ValueError(f"trainers.dmoe.kBest ({dmoe.k_best}) exceeds the experts the servers hold "
+                             f"({self.hosted_experts})")
+        if self.expert.type == "transformer" and DIGITS_PIXELS % self.expert.sequence_length:
+            raise ValueError(f"expert.sequenceLength ({self.expert.sequence_length}) must divide the digits' "
+                             f"{DIGITS_PIXELS} pixels (1, 2, 4, 8, 16, 32 or 64)")
+        if self.servers.announce_expiration_seconds <= self.servers.announce_period_seconds:
+            raise ValueError("servers.announceExpirationSeconds must exceed announcePeriodSeconds, "
+                             "or experts vanish from the DHT between announcements")
+        return self

@@ -1,0 +1,106 @@
+"""`hivekeeper up` of an ExpertPool with real hivemind peers: a DMoE model trains through 2
+expert servers to the stated accuracy while one server is killed; its experts are excluded
+meanwhile, and the restarted server serves them again from their checkpoints.
+
+The run is long and the test ends it with Ctrl-C once it has seen all that: how fast the trainer
+goes, and how long a restarted server takes to rejoin, depend on the machine's load."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import parent_pid, wait_for, write_manifest
+from test_swarm_local import http_get, ports, processes_of
+
+TARGET_ACCURACY = 0.9
+SMALL = {"metadata": {"name": "moe-local"}, "spec": {
+    "grid": {"dimensions": [2, 4]},
+    "expert": {"hiddenSize": 32},
+    "optimizer": {"name": "adam", "learningRate": 0.001},
+    "servers": {"replicas": 2, "announcePeriodSeconds": 1, "announceExpirationSeconds": 3},
+    "checkpoint": {"everySeconds": 1},
+    "trainers": {"batchSize": 64, "batchesInFlight": 2, "optimizer": {"name": "adam", "learningRate": 0.003},
+                 "dmoe": {"layers": 1, "kBest": 2, "forwardTimeoutSeconds": 3, "timeoutAfterKMinSeconds": 1,
+                          "backwardTimeoutSeconds": 3},
+                 "evalEverySteps": 10},
+    "stopping": {"targetMetric": None, "targetSteps": 100_000},
+}}
+
+
+def status(run_dir: Path, role: str) -> dict:
+    text = http_get(ports(run_dir).get(role, 0), "/status") if ports(run_dir) else None
+    return json.loads(text) if text else {}
+
+
+def server_pid(run_dir: Path, index: int) -> int | None:
+    """The server's main process (its forked workers have the same command line)."""
+    found = set()
+    for pid in processes_of(run_dir):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"expert-server\0" in cmdline and f"--index\0{index}\0".encode() in cmdline:
+            found.add(pid)
+    return next((pid for pid in found if parent_pid(pid) not in found), None)
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_up_trains_to_accuracy_through_a_server_crash(tmp_path, no_leaked_p2pd):
+    run_dir = tmp_path / "run"
+    manifest = write_manifest(tmp_path, SMALL, base="expertpool.yaml")
+    runner = subprocess.Popen([sys.executable, "-m", "hivekeeper", "up", str(manifest), "--run-dir", str(run_dir),
+                               "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: status(run_dir, "expert-trainer-0").get("globalStep", 0) >= 10, 150, "ten trainer batches")
+        before = wait_for(lambda: status(run_dir, "expert-server-1").get("experts"), 30, "server 1's experts")
+        time.sleep(2.5)  # a checkpoint (every second) covers these counts
+        step_at_kill = status(run_dir, "expert-trainer-0")["globalStep"]
+        os.kill(server_pid(run_dir, 1), signal.SIGKILL)
+
+        # training goes on without server 1: requests to its experts fail and they are excluded
+        steps_while_down = []
+
+        def back() -> dict | None:
+            trainer = status(run_dir, "expert-trainer-0")
+            if trainer:
+                steps_while_down.append(trainer["globalStep"])
+            return status(run_dir, "expert-server-1").get("resumed")
+
+        resumed = wait_for(back, 120, "server 1 restarted")
+        trainer = status(run_dir, "expert-trainer-0")
+        assert trainer["expertRequests"]["failed"] + trainer["failedBatches"] > 0
+        assert max(steps_while_down) > step_at_kill, "the trainer went on while server 1 was down"
+        assert set(resumed) == set(before)
+        assert all(resumed[uid] >= before[uid]["updates"] > 0 for uid in before), (resumed, before)
+        # its experts are served again: backward requests update them past their checkpoints
+        wait_for(lambda: any(e["updates"] > resumed[uid]
+                             for uid, e in status(run_dir, "expert-server-1").get("experts", {}).items()),
+                 60, "server 1's experts updated again")
+
+        def accuracy() -> float:
+            return status(run_dir, "expert-trainer-0").get("evalMetrics", {}).get("accuracy", 0.0)
+
+        reached = wait_for(lambda: (a := accuracy()) >= TARGET_ACCURACY and a, 120, f"accuracy {TARGET_ACCURACY}")
+        runner.send_signal(signal.SIGINT)
+        out, err = runner.communicate(timeout=60)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait(30)
+    assert runner.returncode == 130, err[-3000:]
+    assert reached >= TARGET_ACCURACY
+    summary = json.loads(out)
+    assert summary["state"] == "interrupted" and summary["kind"] == "ExpertPool"
+    assert summary["processes"]["expert-server-1"]["restarts"] >= 1
+    assert len(list((run_dir / "experts").glob("expert.*.pt"))) == 8
+    assert not processes_of(run_dir)

@@ -1,0 +1,142 @@
+"""BlockServer and ExpertPool through the real operator against the emulator: the children
+their roles need (keys, config, a StatefulSet per component, an Indexed Job for the roles that
+end the run, headless Services, a PodDisruptionBudget for the backbone), owner references,
+status from the workloads and the backbone's /status, scaling, completion and deletion."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+pytest.importorskip("kopf", reason="the operator extra is not installed (pip install -e '.[operator,operator-test]')")
+pytest.importorskip("kmock", reason="the operator-test extra is not installed (pip install -e '.[operator-test]')")
+
+from test_operator import (  # noqa: E402,F401  (fixtures)
+    JOBS,
+    NS,
+    STS,
+    client,
+    cluster,
+    example,
+    monitor,
+    start_operator,
+    wait_for,
+)
+
+KINDS = {  # kind -> (plural, example, name, {component: replicas}, job components, scaled component)
+    "BlockServer": ("blockservers", "blockserver.yaml", "tiny-llama",
+                    {"backbone-blocks": 1, "block-server": 3, "block-balancer": 1}, {"block-client": 1},
+                    "block-server"),
+    "ExpertPool": ("expertpools", "expertpool.yaml", "digits-moe",
+                   {"backbone-experts": 1, "expert-server": 2}, {"expert-trainer": 1}, "expert-server"),
+}
+CHILD_RESOURCES = ["v1/secrets", "v1/configmaps", "v1/services", STS, JOBS, "policy/v1/poddisruptionbudgets"]
+
+
+def custom(client):
+    import kubernetes
+
+    return kubernetes.client.CustomObjectsApi(client)
+
+
+def children(cluster, name: str) -> dict[tuple[str, str], dict[str, Any]]:
+    out = {}
+    for resource in CHILD_RESOURCES:
+        for obj in cluster.objects(resource, NS):
+            if obj["metadata"].get("labels", {}).get("hivekeeper.dev/swarm") == name:
+                out[(obj["kind"], obj["metadata"]["name"])] = obj
+    return out
+
+
+def expected(name: str, stateful: dict[str, int], jobs: dict[str, int]) -> set[tuple[str, str]]:
+    out = {("Secret", f"{name}-backbone-keys"), ("ConfigMap", f"{name}-config")}
+    for component in [*stateful, *jobs]:
+        out.add(("Service", f"{name}-{component}"))
+    out |= {("StatefulSet", f"{name}-{c}") for c in stateful} | {("Job", f"{name}-{c}") for c in jobs}
+    out |= {("PodDisruptionBudget", f"{name}-{c}") for c in stateful if c.startswith("backbone")}
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_kind_reconciles_scales_completes_and_deletes(cluster, client, start_operator, monitor, kind):
+    plural, example_file, name, stateful, jobs, scaled = KINDS[kind]
+    start_operator()
+    custom(client).create_namespaced_custom_object("hivekeeper.dev", "v1alpha1", NS, plural, example(example_file))
+    made = wait_for(lambda: (m := children(cluster, name)) and set(m) == expected(name, stateful, jobs) and m,
+                    what=f"every child of the {kind}")
+    uid = cluster.object(f"hivekeeper.dev/v1alpha1/{plural}", NS, name)["metadata"]["uid"]
+    for key, obj in made.items():
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == uid, key
+    for component, replicas in stateful.items():
+        assert made[("StatefulSet", f"{name}-{component}")]["spec"]["replicas"] == replicas
+    for component, count in jobs.items():
+        job = made[("Job", f"{name}-{component}")]["spec"]
+        assert (job["completionMode"], job["completions"], job["suspend"]) == ("Indexed", count, False)
+    # The pods' roles: every role's `hivekeeper run` arguments, its backbone dialled by DNS.
+    roles = json.loads(made[("ConfigMap", f"{name}-config")]["data"]["roles.json"])
+    backbone = next(c for c in stateful if c.startswith("backbone"))
+    assert set(roles) == {f"{c}-{i}" for c, n in {**stateful, **jobs}.items() for i in range(n)}
+    server_args = roles[f"{scaled}-0"]["args"]
+    peers = server_args[server_args.index("--initial-peers") + 1]
+    assert peers.startswith(f"/dns4/{name}-{backbone}-0.{name}-{backbone}.{NS}.svc.cluster.local/tcp/")
+    keys = made[("Secret", f"{name}-backbone-keys")]["data"]
+    assert set(keys) == {f"{backbone}-0.key"}
+    service = made[("Service", f"{name}-{backbone}")]["spec"]
+    assert service["publishNotReadyAddresses"] is True
+
+    # Pods become ready; the backbone's /status feeds the live figures the status model has.
+    monitor.reading = {"servedBlocks": "6/6", "numBlocks": 6, "minBlockThroughput": 12.5, "expertsAlive": 16,
+                       "step": 40, "samplesPerSecond": 300.0, "unknownFigure": 1, "phase": "Hacked"}
+    for component, replicas in stateful.items():
+        sts = cluster.object(STS, NS, f"{name}-{component}")
+        cluster.set_status(STS, NS, f"{name}-{component}", {
+            "observedGeneration": sts["metadata"]["generation"], "replicas": replicas, "readyReplicas": replicas,
+            "updatedReplicas": replicas})
+    for component, count in jobs.items():
+        cluster.set_status(JOBS, NS, f"{name}-{component}", {"active": count, "ready": count})
+    resource = wait_for(lambda: (r := cluster.object(f"hivekeeper.dev/v1alpha1/{plural}", NS, name))
+                        and (r.get("status") or {}).get("phase") == "Running"
+                        and r["status"]["conditions"][0]["status"] == "True" and r, what="Running and Ready")
+    status = resource["status"]
+    assert status["servers"]["ready"] == stateful[scaled]
+    assert status["selector"] == f"hivekeeper.dev/swarm={name},hivekeeper.dev/component={scaled}"
+    assert status["readyPeers"] == f"{sum(stateful.values()) + sum(jobs.values())}/" \
+                                   f"{sum(stateful.values()) + sum(jobs.values())}"
+    assert "unknownFigure" not in status and status["phase"] == "Running"
+    if kind == "BlockServer":
+        assert (status["servedBlocks"], status["minBlockThroughput"]) == ("6/6", 12.5)
+    else:
+        assert (status["expertsAlive"], status["step"]) == (16, 40)
+
+    # kubectl scale: the servers' StatefulSet follows, nothing else rolls.
+    before = {c: cluster.object(STS, NS, f"{name}-{c}")["spec"]["template"] for c in stateful}
+    custom(client).patch_namespaced_custom_object(
+        "hivekeeper.dev", "v1alpha1", NS, plural, name, {"spec": {"servers": {"replicas": 4}}},
+        _content_type="application/merge-patch+json")
+    wait_for(lambda: cluster.object(STS, NS, f"{name}-{scaled}")["spec"]["replicas"] == 4, what="scaled servers")
+    assert {c: cluster.object(STS, NS, f"{name}-{c}")["spec"]["template"] for c in stateful} == before
+
+    # The roles that end the run succeed: the run is over, its peers stop.
+    for component, count in jobs.items():
+        cluster.set_status(JOBS, NS, f"{name}-{component}", {
+            "succeeded": count, "completedIndexes": f"0-{count - 1}" if count > 1 else "0",
+            "conditions": [{"type": "Complete", "status": "True"}]})
+    wait_for(lambda: (cluster.object(f"hivekeeper.dev/v1alpha1/{plural}", NS, name).get("status") or {})
+             .get("phase") == "Succeeded", what="Succeeded")
+    assert all(cluster.object(STS, NS, f"{name}-{c}")["spec"]["replicas"] == 0 for c in stateful)
+
+    custom(client).delete_namespaced_custom_object("hivekeeper.dev", "v1alpha1", NS, plural, name)
+    wait_for(lambda: not children(cluster, name), what="the children to go with their owner")
+
+
+def test_an_invalid_blockserver_gets_a_condition_and_no_children(cluster, client, start_operator):
+    start_operator()
+    document = example("blockserver.yaml", {"spec": {"servers": {"replicas": -1}}})
+    custom(client).create_namespaced_custom_object("hivekeeper.dev", "v1alpha1", NS, "blockservers", document)
+    resource = wait_for(lambda: (r := cluster.object("hivekeeper.dev/v1alpha1/blockservers", NS, "tiny-llama"))
+                        and (r.get("status") or {}).get("phase") == "Invalid" and r, what="Invalid")
+    ready = next(c for c in resource["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "InvalidSpec" and "servers.replicas" in ready["message"]
+    assert not children(cluster, "tiny-llama")
