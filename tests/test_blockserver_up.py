@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from conftest import write_manifest
-from test_swarm_local import processes_of
+from hivekeeper.local.prometheus import LocalPrometheus
+from test_swarm_local import processes_of, silent_dashboard_panels
 
 
 @pytest.mark.swarm
@@ -22,7 +23,7 @@ def test_up_generates_through_the_servers(tmp_path, no_leaked_p2pd):
                                                   "client": {"newTokens": 12}}}, base="blockserver.yaml")
     run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "hivekeeper", "up", str(manifest), "--run-dir", str(run_dir),
-                           "--json"], capture_output=True, text=True, timeout=280)
+                           "--json", "--prometheus"], capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)
     assert summary["state"] == "completed" and summary["globalStep"] == 12
@@ -34,3 +35,10 @@ def test_up_generates_through_the_servers(tmp_path, no_leaked_p2pd):
     spans = [tuple(int(b) for b in hop.split("@")[0].split(":")) for hop in result["chain"]]
     assert spans[0][0] == 0 and spans[-1][1] == 6 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     assert not processes_of(run_dir)
+
+    # `--prometheus` recorded the run: every BlockServer dashboard panel has data from the moment
+    # the client finished (read back from the run's Prometheus data, the run being over).
+    finished = (run_dir / "result.json").stat().st_mtime
+    with LocalPrometheus.reopen(run_dir) as prometheus:
+        silent = silent_dashboard_panels(prometheus.url, "tiny-llama", source="blocks", at=finished)
+    assert not silent, f"panels without data: {silent}"

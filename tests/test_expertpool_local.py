@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import parent_pid, wait_for, write_manifest
-from test_swarm_local import http_get, ports, processes_of
+from test_swarm_local import http_get, ports, processes_of, silent_dashboard_panels
 
 TARGET_ACCURACY = 0.9
 SMALL = {"metadata": {"name": "moe-local"}, "spec": {
@@ -59,7 +59,7 @@ def test_up_trains_to_accuracy_through_a_server_crash(tmp_path, no_leaked_p2pd):
     run_dir = tmp_path / "run"
     manifest = write_manifest(tmp_path, SMALL, base="expertpool.yaml")
     runner = subprocess.Popen([sys.executable, "-m", "hivekeeper", "up", str(manifest), "--run-dir", str(run_dir),
-                               "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               "--json", "--prometheus"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: status(run_dir, "expert-trainer-0").get("globalStep", 0) >= 10, 150, "ten trainer batches")
         before = wait_for(lambda: status(run_dir, "expert-server-1").get("experts"), 30, "server 1's experts")
@@ -91,6 +91,18 @@ def test_up_trains_to_accuracy_through_a_server_crash(tmp_path, no_leaked_p2pd):
             return status(run_dir, "expert-trainer-0").get("evalMetrics", {}).get("accuracy", 0.0)
 
         reached = wait_for(lambda: (a := accuracy()) >= TARGET_ACCURACY and a, 120, f"accuracy {TARGET_ACCURACY}")
+        # `--prometheus`: every ExpertPool dashboard panel returns data from this run.
+        prometheus = (run_dir / "prometheus.url").read_text()
+        silent: list[str] = []
+
+        def every_panel_answers() -> bool:
+            silent[:] = silent_dashboard_panels(prometheus, "moe-local", source="experts")
+            return not silent
+
+        try:
+            wait_for(every_panel_answers, 30, "every ExpertPool panel to return data", interval=2.0)
+        except AssertionError:
+            pytest.fail(f"panels without data: {silent}")
         runner.send_signal(signal.SIGINT)
         out, err = runner.communicate(timeout=60)
     finally:

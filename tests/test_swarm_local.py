@@ -34,19 +34,21 @@ def start_up(manifest: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
                              "--json", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def prometheus_query(url: str, expr: str) -> list:
-    """An instant query's result; a query Prometheus refuses (it does not parse) fails the test."""
-    with urllib.request.urlopen(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": expr}), timeout=5) as reply:
+def prometheus_query(url: str, expr: str, at: float | None = None) -> list:
+    """An instant query's result (now, or at time `at`); a query Prometheus refuses (it does not
+    parse) fails the test."""
+    params = {"query": expr, **({"time": f"{at:.3f}"} if at is not None else {})}
+    with urllib.request.urlopen(f"{url}/api/v1/query?" + urllib.parse.urlencode(params), timeout=5) as reply:
         answer = json.loads(reply.read())
     assert answer["status"] == "success", (expr, answer)
     return answer["data"]["result"]
 
 
-def silent_dashboard_panels(url: str, swarm: str) -> list[str]:
-    """Panels of the shipped dashboards that a local run can feed but that return no series."""
+def silent_dashboard_panels(url: str, swarm: str, source: str = "swarm", at: float | None = None) -> list[str]:
+    """Panels of the shipped dashboards fed by `source` (a kind's processes) that return no series."""
     substitutions = {"swarm": swarm, "namespace": ".*", "kind": ".*", "__rate_interval": "30s"}
-    return [f"{uid}: {title}: {expr}" for uid, title, source, expr in expressions(substitutions)
-            if source == "swarm" and not prometheus_query(url, expr)]
+    return [f"{uid}: {title}: {expr}" for uid, title, panel_source, expr in expressions(substitutions)
+            if panel_source == source and not prometheus_query(url, expr, at)]
 
 
 def http_get(port: int, path: str) -> str | None:

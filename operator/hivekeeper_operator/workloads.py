@@ -95,13 +95,15 @@ def components_of(kind: KindRuntime, roles: list[Role]) -> list[Component]:
     return list(out.values())
 
 
-def config_hash(manifest: Manifest, component: Component) -> str:
+def config_hash(manifest: Manifest, component: Component, scale_restarts: tuple[str, ...] = ()) -> str:
     """What a component's pods read at start: the manifest, less the counts and resources the
-    template states itself, and its first role's arguments (scaling rolls nothing)."""
+    template states itself, and its first role's arguments (scaling rolls nothing), except for
+    components whose roles depend on the counts (`KindRuntime.scale_restarts`)."""
     spec = rendered_manifest(manifest)["spec"]
     for section in spec.values():
         if isinstance(section, dict):
-            section.pop("replicas", None)
+            if component.name not in scale_restarts:
+                section.pop("replicas", None)
             section.pop("resources", None)
     payload = {"spec": spec, "args": list(component.roles[0].args)}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
@@ -115,7 +117,7 @@ def plan_workloads(owner: dict[str, Any], manifest: Manifest, peer_ids: dict[str
     roles = render_roles(manifest, peer_ids, settings)
     components = components_of(kind, roles)
     owner_ref = owner_reference(owner)
-    hashes = {c.name: config_hash(manifest, c) for c in components}
+    hashes = {c.name: config_hash(manifest, c, kind.scale_restarts) for c in components}
 
     def meta(obj_name: str, component: str | None = None, extra: dict[str, str] | None = None) -> dict[str, Any]:
         return {"name": obj_name, "namespace": namespace, "labels": {**labels(name, component), **(extra or {})},

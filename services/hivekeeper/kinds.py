@@ -22,6 +22,9 @@ class KindRuntime:
     target_steps: Callable[[Manifest], Optional[int]] = lambda manifest: None  # for the progress bar
     # component -> its key in the resource's status (a RoleStatus there), for the operator
     status_keys: dict[str, str] = field(default_factory=dict)
+    # components whose roles depend on replica counts (an expert server's share of the grid):
+    # the operator restarts their pods when a count changes, instead of only adding or removing
+    scale_restarts: tuple[str, ...] = ()
 
 
 def _swarm_identities(manifest: Manifest) -> list[str]:

@@ -23,6 +23,9 @@ class BlockMetrics:
                                           buckets=REQUEST_SECONDS_BUCKETS, registry=r)
         self.tokens = Counter("hivekeeper_block_tokens", "Token positions run through this server's blocks",
                               ["kind"], registry=r)
+        for kind in REQUEST_KINDS:  # series exist from the start: rates and quantiles need two samples
+            self.request_duration.labels(kind)
+            self.tokens.labels(kind)
         self.span_start = Gauge("hivekeeper_block_span_start", "First block this server holds", registry=r)
         self.span_end = Gauge("hivekeeper_block_span_end", "One past the last block this server holds", registry=r)
         self.throughput = Gauge("hivekeeper_block_throughput_tokens_per_second",

@@ -40,4 +40,5 @@ def pool_roles(manifest: Manifest, network: Network, peer_ids: dict[str, str], m
 
 RUNTIME = KindRuntime(roles=pool_roles, identity_roles=identity_roles,
                       target_steps=lambda manifest: manifest.spec.stopping.target_steps,
-                      status_keys={BACKBONE: "backbone", SERVER: "servers", TRAINER: "trainers"})
+                      status_keys={BACKBONE: "backbone", SERVER: "servers", TRAINER: "trainers"},
+                      scale_restarts=(SERVER,))  # server I holds grid.server_experts(spec, I) of servers.replicas

@@ -52,6 +52,20 @@ class LocalPrometheus:
         self.process: Optional[subprocess.Popen] = None
         self.log_path = run_dir / "logs" / "prometheus.log"
 
+    @classmethod
+    def reopen(cls, run_dir: Path) -> "LocalPrometheus":
+        """A Prometheus over a finished run's recorded data (query it at past times)."""
+        prometheus = cls(run_dir, "", [])
+        prometheus.config = yaml.safe_load((prometheus.dir / "prometheus.yml").read_text())
+        return prometheus
+
+    def __enter__(self) -> "LocalPrometheus":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def start(self, timeout: float = 30.0) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
