@@ -17,6 +17,8 @@ from hivekeeper.swarm.common import read_peer_reports
 from hivekeeper.swarm.plan_record import PeerAssignment, SignedPlan, load_signing_key, publish_plan
 from hivekeeper.swarm.planned_averaging import plan_digest
 
+pytestmark = pytest.mark.isolated  # its DHT is forked from the test process (see test_planned_averaging)
+
 SWARM = {"spec": {
     "targetBatchSize": 128,
     "trainers": {"replicas": 2, "batchSize": 32},

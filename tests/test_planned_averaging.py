@@ -18,6 +18,10 @@ from hivekeeper.swarm.planned_averaging import (
     shares_by_peer_id,
 )
 
+# Four averagers forked from the test process share one module's fixture; in a long test
+# session, a round among them once hung there and took every later round with it.
+pytestmark = pytest.mark.isolated
+
 NODE, CLIENT, AUX = 0, 1, 2
 PART = 100  # elements per part: part_size_bytes = 400 with float32
 SHAPES = [(6000,), (40, 100)]  # 10,000 elements in two tensors
@@ -115,6 +119,8 @@ def swarm():
                 [torch.zeros(shape) for shape in SHAPES], dht, prefix="planned_test", start=True,
                 auxiliary=auxiliary, target_group_size=4, min_group_size=4, min_matchmaking_time=1.0,
                 request_timeout=0.5, part_size_bytes=4 * PART,
+                # a broken round fails instead of holding the tensors' lock for good (and every later test)
+                next_chunk_timeout=10.0, allreduce_timeout=30.0,
             ))
         started = own_p2pd()
         yield averagers
