@@ -134,6 +134,8 @@ class KindInfo:
 
 
 AGE = PrinterColumn("Age", "date", ".metadata.creationTimestamp")
+PHASE = PrinterColumn("Phase", "string", ".status.phase")
+READY = PrinterColumn("Ready", "string", ".status.readyPeers", "ready pods / desired pods")
 
 KINDS: dict[str, KindInfo] = {}
 
@@ -154,8 +156,8 @@ register_kind(KindInfo(
     status_replicas_path=".status.trainers.replicas",
     label_selector_path=".status.selector",
     printer_columns=(
-        PrinterColumn("Phase", "string", ".status.phase"),
-        PrinterColumn("Ready", "string", ".status.readyPeers", "ready pods / desired pods"),
+        PHASE,
+        READY,
         PrinterColumn("Trainers", "integer", ".status.trainers.ready", "ready trainer pods", priority=1),
         PrinterColumn("Step", "integer", ".status.globalStep", "global optimizer step"),
         PrinterColumn("Samples/s", "number", ".status.samplesPerSecond", "collaboration throughput"),
@@ -193,8 +195,8 @@ register_kind(KindInfo(
     status_replicas_path=".status.servers.replicas",
     label_selector_path=".status.selector",
     printer_columns=(
-        PrinterColumn("Phase", "string", ".status.phase"),
-        PrinterColumn("Ready", "string", ".status.readyPeers", "ready pods / desired pods"),
+        PHASE,
+        READY,
         PrinterColumn("Servers", "integer", ".status.servers.ready", "ready expert server pods"),
         PrinterColumn("Experts", "integer", ".status.expertsAlive", "experts announced in the DHT"),
         PrinterColumn("Step", "integer", ".status.step", "trainer batches done"),
@@ -229,8 +231,8 @@ register_kind(KindInfo(
     status_replicas_path=".status.servers.replicas",
     label_selector_path=".status.selector",
     printer_columns=(
-        PrinterColumn("Phase", "string", ".status.phase"),
-        PrinterColumn("Ready", "string", ".status.readyPeers", "ready pods / desired pods"),
+        PHASE,
+        READY,
         PrinterColumn("Blocks", "string", ".status.servedBlocks", "blocks served / all blocks"),
         PrinterColumn("Throughput", "number", ".status.minBlockThroughput", "tokens/s of the worst-served block"),
         AGE,
