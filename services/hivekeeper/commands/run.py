@@ -21,6 +21,8 @@ ROLES = {
     "block-server": "hivekeeper.blocks.server",
     "block-balancer": "hivekeeper.blocks.balancer",
     "block-client": "hivekeeper.blocks.client_role",
+    "relay": "hivekeeper.volunteer.relay",
+    "auth": "hivekeeper.auth.role",
 }
 
 

@@ -36,6 +36,21 @@ def add_role_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=".", help="where logs, traces and checkpoints go")
     parser.add_argument("--plan-signer", default=None,
                         help="peer ID of the balancer whose signed averaging plan this peer follows")
+    # Volunteers (issue 7): how a peer outside the cluster gets in, and who may.
+    parser.add_argument("--client-mode", action="store_true",
+                        help="accept no inbound connections (a peer nobody can dial, not even through a relay)")
+    parser.add_argument("--relay", nargs="*", default=[], metavar="MADDR",
+                        help="circuit relays to be reachable through (a peer behind NAT)")
+    parser.add_argument("--gateway", default=None, metavar="HOST:PORT",
+                        help="the swarm's token service: sign every DHT request with a token from it")
+    parser.add_argument("--invite", default=None, metavar="PATH", help="file with this peer's invite (with --gateway)")
+    # The auth role's own inputs.
+    parser.add_argument("--swarm-key", default=None, metavar="PATH", help="auth: the swarm's token-signing key")
+    parser.add_argument("--allowlist-file", default=None, metavar="PATH",
+                        help="auth: more allowed identities, one a line (re-read when it changes)")
+    parser.add_argument("--grpc-port", type=int, default=0, help="auth: the token service's gRPC port")
+    parser.add_argument("--swarm-info", default=None, metavar="PATH",
+                        help="auth: JSON the token service hands to joining peers (manifest, peers, relays)")
 
 
 @dataclass
@@ -96,18 +111,33 @@ class RoleContext:
                 time.sleep(min(2.0 * attempt, 10.0))
         raise AssertionError("unreachable")
 
+    def authorizer(self):
+        """Signs and checks every DHT request when the swarm admits peers by token."""
+        if not self.args.gateway:
+            return None
+        if not self.args.invite:
+            raise SystemExit(f"{self.peer_name}: --gateway needs --invite (this peer's invite file)")
+        from hivekeeper.auth.authorizer import make_authorizer
+
+        return make_authorizer(self.args.gateway, self.args.invite)
+
     def _make_dht(self, client_mode: bool):
         import hivemind
 
         host_maddrs = [f"/ip4/{self.args.host}/tcp/{self.args.p2p_port}"]
         announce = self.args.announce_host
         announce_maddrs = [f"/ip4/{announce}/tcp/{self.args.p2p_port}"] if announce and self.args.p2p_port else None
+        client_mode = client_mode or self.args.client_mode
+        relays = list(self.args.relay)
         dht = hivemind.DHT(
             initial_peers=list(self.args.initial_peers),
             host_maddrs=host_maddrs,
             announce_maddrs=announce_maddrs,
             identity_path=self.args.identity,
             client_mode=client_mode,
+            use_auto_relay=bool(relays),
+            trusted_relays=relays or None,
+            authorizer=self.authorizer(),
             start=True,
             # Ctrl-C reaches every process in the terminal's group; we shut the DHT down ourselves.
             daemon=True,
