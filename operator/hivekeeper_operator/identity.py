@@ -27,17 +27,6 @@ def peer_id(key: bytes) -> str:
     return PeerID.from_identity(key).to_base58()
 
 
-def ensure_keys(existing: dict[str, str] | None, replicas: int, generate: KeyGenerator = generate_key,
-                balancer: bool = False) -> tuple[dict[str, str], list[str], str | None]:
-    """Secret `data` holding a key for every backbone index below `replicas` (existing keys are
-    kept as they are, also those above it, so scaling down and up again keeps IDs) and, with
-    `balancer`, the balancer's plan-signing key; the peer IDs of backbone indices
-    0..replicas-1, and the balancer's."""
-    names = [f"backbone-{index}" for index in range(replicas)] + (["balancer-0"] if balancer else [])
-    data, ids = ensure_role_keys(existing, names, generate)
-    return data, [ids[f"backbone-{index}"] for index in range(replicas)], ids.get("balancer-0")
-
-
 def ensure_role_keys(existing: dict[str, str] | None, role_names: list[str],
                      generate: KeyGenerator = generate_key) -> tuple[dict[str, str], dict[str, str]]:
     """Secret `data` with a key (ROLE.key) for every role in `role_names`, existing keys kept

@@ -4,9 +4,15 @@ Service; a role announces its pod IP (the downward API puts it in $POD_IP)."""
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 P2P_PORT = 31337
 METRICS_PORT = 9300
+GRPC_PORT = 50051  # the token service (auth role)
 KEYS_DIR = "/var/run/hivekeeper/keys"
+INVITES_DIR = "/var/run/hivekeeper/invites"  # Secret NAME-invites: every role's invite
+SWARM_KEY_DIR = "/var/run/hivekeeper/swarm-auth"  # Secret NAME-swarm-auth: the auth role's signing key
+ALLOWLIST_DIR = "/var/run/hivekeeper/allowlist"  # the user's Secret named by volunteers.allowlistSecret
 CONFIG_DIR = "/etc/hivekeeper"
 RUN_DIR = "/var/lib/hivekeeper"
 POD_IP_VARIABLE = "$(POD_IP)"
@@ -15,13 +21,16 @@ POD_IP_VARIABLE = "$(POD_IP)"
 class KubernetesNetwork:
     listen_host = "0.0.0.0"
 
-    def __init__(self, swarm: str, namespace: str, cluster_domain: str = "cluster.local"):
+    def __init__(self, swarm: str, namespace: str, cluster_domain: str = "cluster.local",
+                 relay_public_hosts: Sequence[Optional[str]] = (), relay_port: int = P2P_PORT):
         self.swarm = swarm
         self.namespace = namespace
         self.cluster_domain = cluster_domain
+        self.relay_public_hosts = list(relay_public_hosts)  # None: its LoadBalancer has no address yet
+        self.relay_port = relay_port  # the first relay's public port (volunteers.relayPort)
 
     def port(self, role_name: str, port_name: str) -> int:
-        return P2P_PORT if port_name == "p2p" else METRICS_PORT
+        return {"p2p": P2P_PORT, "grpc": GRPC_PORT}.get(port_name, METRICS_PORT)
 
     def backbone_host(self, index: int, component: str = "backbone") -> str:
         service = f"{self.swarm}-{component}"
@@ -36,3 +45,19 @@ class KubernetesNetwork:
     def announce_host(self, role_name: str) -> str | None:
         # Expanded in the pod (by the launcher, as Kubernetes expands $(VAR) in args).
         return POD_IP_VARIABLE
+
+    def gateway_address(self) -> str:
+        return f"{self.backbone_host(0, 'auth')}:{GRPC_PORT}"
+
+    def relay_public_address(self, index: int) -> str | None:
+        host = self.relay_public_hosts[index] if index < len(self.relay_public_hosts) else None
+        return f"{host}:{self.relay_port + index}" if host else None
+
+    def access_path(self, name: str) -> str:
+        if name == "swarm-auth.pem":
+            return f"{SWARM_KEY_DIR}/{name}"
+        if name == "allowlist":
+            return f"{ALLOWLIST_DIR}/{name}"
+        if name == "swarm-info.json":
+            return f"{CONFIG_DIR}/{name}"
+        return f"{INVITES_DIR}/{name}"

@@ -19,7 +19,7 @@ from hivekeeper.spec import parse_manifest
 from hivekeeper.spec.crd import KINDS
 
 from hivekeeper.kinds import runtime
-from hivekeeper_operator import identity, swarm, workloads
+from hivekeeper_operator import identity, swarm, volunteers, workloads
 from hivekeeper_operator.conditions import now_rfc3339
 from hivekeeper_operator.kube import Applier, Kube, KubeError, NameConflict, register_resource
 from hivekeeper_operator.metrics import OperatorMetrics
@@ -126,11 +126,11 @@ class SwarmReconciler(Reconciler):
             return "Invalid"
         spec = manifest.spec
 
-        # Peer keys first: everyone's arguments name the backbone's and the balancer's peer IDs.
+        # Peer keys first: everyone's arguments name the backbone's, the balancer's and the relays' peer IDs.
         secret = self.kube.get("v1", "Secret", namespace, swarm.keys_secret_name(name))
         existing = (secret or {}).get("data") if _managed(secret) else None
-        keys_data, peer_ids, balancer_id = identity.ensure_keys(existing, spec.backbone.replicas,
-                                                                self.config.key_generator, spec.balancer.enabled)
+        identities = runtime(self.kind).identity_roles(manifest)
+        keys_data, ids = identity.ensure_role_keys(existing, identities, self.config.key_generator)
         if secret is None or keys_data != existing:
             # Store new keys before anything names them; if another writer (an operator instance
             # that is shutting down) stored different ones first, theirs win.
@@ -141,8 +141,7 @@ class SwarmReconciler(Reconciler):
                 error = str(e)
             else:
                 error = None
-                keys_data, peer_ids, balancer_id = identity.ensure_keys(
-                    live.get("data"), spec.backbone.replicas, self.config.key_generator, spec.balancer.enabled)
+                keys_data, ids = identity.ensure_role_keys(live.get("data"), identities, self.config.key_generator)
             if error:
                 status = swarm.swarm_status(generation=generation, previous=obj.get("status"), now=now, plan=None,
                                             observed=None, invalid=error, invalid_reason="NameConflict",
@@ -150,14 +149,19 @@ class SwarmReconciler(Reconciler):
                 self.write_status(obj, status)
                 return "Invalid"
 
+        peer_ids = [ids[f"backbone-{i}"] for i in range(spec.backbone.replicas)]
+        balancer_id = ids.get("balancer-0")
+        access = self._volunteer_access(obj, manifest, peer_ids, balancer_id, ids) if spec.volunteers.enabled else None
+
         service_monitor = self.config.service_monitors == "auto" and self.kube.serves(
             "monitoring.coreos.com/v1", "servicemonitors")
         job = self.kube.get("batch/v1", "Job", namespace, swarm.child_name(name, "monitor")) if spec.monitor.enabled else None
-        plan = swarm.plan_swarm(obj, manifest, peer_ids, keys_data, settings, balancer_id=balancer_id, service_monitor=service_monitor)
+        plan = swarm.plan_swarm(obj, manifest, peer_ids, keys_data, settings, balancer_id=balancer_id,
+                                service_monitor=service_monitor, access=access)
         completed = spec.monitor.enabled and swarm.run_completed(job, plan.hashes["monitor"])
         if completed:
             plan = swarm.plan_swarm(obj, manifest, peer_ids, keys_data, settings, balancer_id=balancer_id, completed=True,
-                                    service_monitor=service_monitor)
+                                    service_monitor=service_monitor, access=access)
 
         observed = swarm.Observed(workloads={})
         for child in plan.children:
@@ -169,6 +173,9 @@ class SwarmReconciler(Reconciler):
             component = child["metadata"]["labels"].get(swarm.LABEL_COMPONENT)
             if child["kind"] in ("StatefulSet", "Job"):
                 observed.workloads[component] = result.live
+            if child["metadata"]["name"] == volunteers.gateway_service_name(name) and not plan.volunteer_gateway:
+                host = volunteers.public_hosts(spec.volunteers.model_copy(update={"relays": 1}), [result.live])[0]
+                plan.volunteer_gateway = f"{host}:{spec.volunteers.gateway_port}" if host else None
         wanted = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in plan.children}
         for api_version, kind, child in swarm.all_children(name):
             if (api_version, kind, child) in wanted:
@@ -187,6 +194,23 @@ class SwarmReconciler(Reconciler):
                                     observed=observed, completed=completed, settings=settings, swarm=name)
         self.write_status(obj, status)
         return status["phase"]
+
+
+    def _volunteer_access(self, obj: dict[str, Any], manifest: Any, peer_ids: list[str], balancer_id: str | None,
+                          ids: dict[str, str]) -> "swarm.VolunteerAccess":
+        """The signing key and invites (made once, kept in Secrets) and each relay's public host."""
+        name, namespace = manifest.metadata.name, manifest.metadata.namespace
+        door = manifest.spec.volunteers
+        secrets = [self.kube.get("v1", "Secret", namespace, secret_name) for secret_name in
+                   (volunteers.swarm_auth_secret_name(name), volunteers.invites_secret_name(name))]
+        services = [self.kube.get("v1", "Service", namespace, volunteers.relay_service_name(name, i))
+                    for i in range(door.relays)]
+        hosts = volunteers.public_hosts(door, services)
+        roles = swarm.render_roles(manifest, peer_ids, self.config.settings, balancer_id, hosts)
+        auth_data, invites_data = volunteers.ensure_access(
+            *[(s or {}).get("data") if _managed(s) else None for s in secrets], name, roles)
+        return swarm.VolunteerAccess(relay_ids=[ids[f"relay-{i}"] for i in range(door.relays)], relay_hosts=hosts,
+                                     auth_data=auth_data, invites_data=invites_data)
 
 
 class WorkloadReconciler(Reconciler):

@@ -10,6 +10,9 @@ Children of a Swarm NAME (all owned by it, all labelled hivekeeper.dev/swarm=NAM
   NAME-balancer       StatefulSet  + headless Service: one pod; its key signs the averaging plan
   NAME-monitor        Job          + headless Service: the monitor's successful exit ends the run,
                                    as with `hivekeeper up` (a Deployment would restart it forever)
+  NAME-relay          StatefulSet  + headless Service (spec.volunteers): circuit relays, keys as the backbone's
+  NAME-auth           StatefulSet  + headless Service (spec.volunteers): the token service, one pod
+                      and the volunteers' Secrets and external Services (`volunteers.py`)
   NAME-backbone       PodDisruptionBudget (minAvailable: 1)
   NAME                ServiceMonitor, when the Prometheus Operator's CRD is installed
 
@@ -30,26 +33,32 @@ from typing import Any
 from hivekeeper import API_GROUP, API_VERSION
 from hivekeeper.spec import Manifest
 from hivekeeper.spec.swarm import Resources, SwarmSpec
-from hivekeeper.topology import METRICS, P2P, Role, swarm_roles
+from hivekeeper.spec.volunteers import VolunteersSpec
+from hivekeeper.topology import GRPC, METRICS, P2P, Role, relay_maddrs, swarm_roles, volunteer_info
 
 from hivekeeper_operator.conditions import Cond, render_conditions, seconds_in_state
+from hivekeeper_operator import volunteers
 from hivekeeper_operator.kube import LABEL_MANAGED_BY, MANAGED_BY
 from hivekeeper_operator.network import (
+    ALLOWLIST_DIR,
     CONFIG_DIR,
+    GRPC_PORT,
+    INVITES_DIR,
     KEYS_DIR,
     METRICS_PORT,
     P2P_PORT,
     RUN_DIR,
+    SWARM_KEY_DIR,
     KubernetesNetwork,
 )
 
 KIND = "Swarm"
 API = f"{API_GROUP}/{API_VERSION}"
-COMPONENTS = ("backbone", "trainer", "auxiliary", "monitor", "balancer")
-STATEFUL = ("backbone", "trainer", "auxiliary", "balancer")
-WITH_KEYS = ("backbone", "balancer")
+COMPONENTS = ("backbone", "trainer", "auxiliary", "monitor", "balancer", "relay", "auth")
+STATEFUL = ("backbone", "trainer", "auxiliary", "balancer", "relay", "auth")
+WITH_KEYS = ("backbone", "balancer", "relay")
 STATUS_KEY = {"backbone": "backbone", "trainer": "trainers", "auxiliary": "auxiliary", "monitor": "monitor",
-              "balancer": "balancer"}
+              "balancer": "balancer", "relay": "relays", "auth": "auth"}
 CONFIG_HASH = "hivekeeper.dev/config-hash"
 LABEL_SWARM = "hivekeeper.dev/swarm"
 LABEL_COMPONENT = "hivekeeper.dev/component"
@@ -117,7 +126,10 @@ def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:
 
 def all_children(swarm: str) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of every child a Swarm can have, to delete the ones not wanted."""
-    out = [("v1", "Secret", keys_secret_name(swarm)), ("v1", "ConfigMap", config_map_name(swarm))]
+    out = [("v1", "Secret", keys_secret_name(swarm)), ("v1", "ConfigMap", config_map_name(swarm)),
+           ("v1", "Secret", volunteers.swarm_auth_secret_name(swarm)), ("v1", "Secret", volunteers.invites_secret_name(swarm)),
+           ("v1", "Service", volunteers.gateway_service_name(swarm))]
+    out += [("v1", "Service", volunteers.relay_service_name(swarm, i)) for i in range(volunteers.MAX_RELAYS)]
     for component in COMPONENTS:
         out.append(("v1", "Service", child_name(swarm, component)))
     out += [("apps/v1", "StatefulSet", child_name(swarm, c)) for c in STATEFUL]
@@ -141,22 +153,28 @@ def rendered_manifest(manifest: Manifest) -> dict[str, Any]:
     }
 
 
+def network_of(manifest: Manifest, settings: WorkloadSettings,
+               relay_hosts: list[str | None] | None = None) -> KubernetesNetwork:
+    return KubernetesNetwork(manifest.metadata.name, manifest.metadata.namespace, settings.cluster_domain,
+                             relay_public_hosts=relay_hosts or [], relay_port=manifest.spec.volunteers.relay_port)
+
+
 def render_roles(manifest: Manifest, peer_ids: list[str], settings: WorkloadSettings,
-                 balancer_id: str | None = None) -> list[Role]:
-    network = KubernetesNetwork(manifest.metadata.name, manifest.metadata.namespace, settings.cluster_domain)
-    return swarm_roles(manifest, network, peer_ids, f"{CONFIG_DIR}/manifest.json", RUN_DIR,
-                       balancer_peer_id=balancer_id)
+                 balancer_id: str | None = None, relay_hosts: list[str | None] | None = None) -> list[Role]:
+    return swarm_roles(manifest, network_of(manifest, settings, relay_hosts), peer_ids, f"{CONFIG_DIR}/manifest.json",
+                       RUN_DIR, balancer_peer_id=balancer_id)
 
 
 def config_hashes(manifest: Manifest, settings: WorkloadSettings, peer_ids: list[str],
-                  balancer_id: str | None = None) -> dict[str, str]:
+                  balancer_id: str | None = None, relay_hosts: list[str | None] | None = None,
+                  swarm_info: dict[str, Any] | None = None) -> dict[str, str]:
     """Per component: a hash of what its pods read at start. Replica counts and resources are
     left out (the pod template states those itself), so scaling rolls nothing, not even from
     or to zero (the arguments hashed are those of index 0, whatever the count)."""
     sample = manifest.model_copy(deep=True)
     sample.spec.trainers.replicas = max(1, sample.spec.trainers.replicas)
     sample.spec.auxiliary.replicas = max(1, sample.spec.auxiliary.replicas)
-    roles = render_roles(sample, peer_ids, settings, balancer_id)
+    roles = render_roles(sample, peer_ids, settings, balancer_id, relay_hosts)
     spec = rendered_manifest(manifest)["spec"]
     for section in ("trainers", "auxiliary"):
         spec.get(section, {}).pop("replicas", None)
@@ -165,16 +183,25 @@ def config_hashes(manifest: Manifest, settings: WorkloadSettings, peer_ids: list
     for component in COMPONENTS:
         first = next((r for r in roles if r.component == component), None)
         payload = {"spec": spec, "args": list(first.args) if first else None}
+        if component == "auth":
+            payload["swarmInfo"] = swarm_info  # what it hands volunteers (the relays' public addresses)
         out[component] = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
     return out
 
 
 def desired_replicas(spec: SwarmSpec, completed: bool) -> dict[str, int]:
     if completed:  # as `hivekeeper up` does: the run is over, stop the peers (GPUs go free)
-        return {"backbone": 0, "trainer": 0, "auxiliary": 0, "monitor": 0, "balancer": 0}
+        return {component: 0 for component in COMPONENTS}
+    door = spec.volunteers.enabled
     return {"backbone": spec.backbone.replicas, "trainer": spec.trainers.replicas,
             "auxiliary": spec.auxiliary.replicas, "monitor": 1 if spec.monitor.enabled else 0,
-            "balancer": 1 if spec.balancer.enabled else 0}
+            "balancer": 1 if spec.balancer.enabled else 0,
+            "relay": spec.volunteers.relays if door else 0, "auth": 1 if door else 0}
+
+
+def enabled_components(spec: SwarmSpec) -> list[str]:
+    return [c for c in COMPONENTS if (c != "monitor" or spec.monitor.enabled) and (c != "balancer" or spec.balancer.enabled)
+            and (c not in ("relay", "auth") or spec.volunteers.enabled)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,15 +217,31 @@ class SwarmPlan:
     replicas: dict[str, int]
     initial_peers: list[str]
     roles: list[Role] = field(default_factory=list)
+    volunteer_gateway: str | None = None  # host:port for `hivekeeper join`, once known
+    volunteer_relays: list[str] = field(default_factory=list)
+
+
+@dataclass
+class VolunteerAccess:
+    """What a Swarm with spec.volunteers needs besides its roles (see `volunteers.py`)."""
+
+    relay_ids: list[str]  # peer IDs of the relays (their keys are in the keys Secret)
+    relay_hosts: list[str | None]  # public host of each relay, None while unknown
+    auth_data: dict[str, str]  # Secret data: the signing key
+    invites_data: dict[str, str]  # Secret data: every role's invite
 
 
 def plan_swarm(owner: dict[str, Any], manifest: Manifest, peer_ids: list[str], keys_data: dict[str, str],
                settings: WorkloadSettings, *, balancer_id: str | None = None, completed: bool = False,
-               service_monitor: bool = False) -> SwarmPlan:
+               service_monitor: bool = False, access: VolunteerAccess | None = None) -> SwarmPlan:
     spec: SwarmSpec = manifest.spec
     name, namespace = manifest.metadata.name, manifest.metadata.namespace
-    roles = render_roles(manifest, peer_ids, settings, balancer_id)
-    hashes = config_hashes(manifest, settings, peer_ids, balancer_id)
+    assert (access is not None) == spec.volunteers.enabled, "volunteer access material iff volunteers are enabled"
+    relay_hosts = access.relay_hosts if access else None
+    roles = render_roles(manifest, peer_ids, settings, balancer_id, relay_hosts)
+    network = network_of(manifest, settings, relay_hosts)
+    info = volunteer_info(manifest, network, access.relay_ids) if access else None
+    hashes = config_hashes(manifest, settings, peer_ids, balancer_id, relay_hosts, info)
     replicas = desired_replicas(spec, completed)
     owner_ref = owner_reference(owner)
 
@@ -206,30 +249,38 @@ def plan_swarm(owner: dict[str, Any], manifest: Manifest, peer_ids: list[str], k
         return {"name": obj_name, "namespace": namespace, "labels": {**labels(name, component), **(extra_labels or {})},
                 "ownerReferences": [owner_ref]}
 
+    config = {
+        "manifest.json": json.dumps(rendered_manifest(manifest), indent=2, sort_keys=True),
+        "roles.json": json.dumps({r.name: {"component": r.component, "args": list(r.args)} for r in roles},
+                                 indent=2, sort_keys=True),
+    }
+    if info is not None:
+        config["swarm-info.json"] = json.dumps(info, indent=2, sort_keys=True)
     children: list[dict[str, Any]] = [
         keys_secret(owner, name, namespace, keys_data),
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(config_map_name(name)),
-         "data": {
-             "manifest.json": json.dumps(rendered_manifest(manifest), indent=2, sort_keys=True),
-             "roles.json": json.dumps({r.name: {"component": r.component, "args": list(r.args)} for r in roles},
-                                      indent=2, sort_keys=True),
-         }},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(config_map_name(name)), "data": config},
     ]
-    components = [c for c in COMPONENTS if (c != "monitor" or spec.monitor.enabled)
-                  and (c != "balancer" or spec.balancer.enabled)]
+    if access is not None:
+        children += [_secret(meta(volunteers.swarm_auth_secret_name(name), "auth"), access.auth_data),
+                     _secret(meta(volunteers.invites_secret_name(name)), access.invites_data)]
+        children += volunteers.external_services(
+            meta, name, spec.volunteers,
+            lambda component, index: {**selector_labels(name, component),
+                                       "statefulset.kubernetes.io/pod-name": f"{child_name(name, component)}-{index}"})
+    components = enabled_components(spec)
     for component in components:
         children.append(_service(meta(child_name(name, component), component, {LABEL_METRICS: "true"}),
                                  name, component))
-    resources = {"backbone": _role_resources(roles, "backbone", Resources(cpu="250m", memory="512Mi")),
-                 "trainer": spec.trainers.resources, "auxiliary": spec.auxiliary.resources,
-                 "monitor": _role_resources(roles, "monitor", Resources(cpu="500m", memory="1Gi")),
-                 "balancer": _role_resources(roles, "balancer", Resources(cpu="500m", memory="1Gi"))}
+    resources = {component: _role_resources(roles, component, Resources(cpu="500m", memory="1Gi"))
+                 for component in ("backbone", "monitor", "balancer", "relay", "auth")}
+    resources.update({"trainer": spec.trainers.resources, "auxiliary": spec.auxiliary.resources})
     grace = int(spec.averaging.timeout_seconds + spec.averaging.matchmaking_seconds + 30)
+    door = spec.volunteers if spec.volunteers.enabled else None
     for component in STATEFUL:
-        if component == "balancer" and not spec.balancer.enabled:
+        if component not in components:
             continue
         template = _pod_template(name, component, resources[component], hashes[component], settings, grace,
-                                 keys=component in WITH_KEYS)
+                                 keys=component in WITH_KEYS, door=door)
         children.append({
             "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta(child_name(name, component), component),
             "spec": {
@@ -243,7 +294,7 @@ def plan_swarm(owner: dict[str, Any], manifest: Manifest, peer_ids: list[str], k
         })
     if spec.monitor.enabled:
         template = _pod_template(name, "monitor", resources["monitor"], hashes["monitor"], settings, grace,
-                                 restart_policy="OnFailure", index=0)
+                                 restart_policy="OnFailure", index=0, door=door)
         children.append({
             "apiVersion": "batch/v1", "kind": "Job", "metadata": meta(child_name(name, "monitor"), "monitor"),
             "spec": {"backoffLimit": MONITOR_BACKOFF_LIMIT, "template": template},
@@ -260,9 +311,17 @@ def plan_swarm(owner: dict[str, Any], manifest: Manifest, peer_ids: list[str], k
                 "endpoints": [{"port": METRICS, "path": "/metrics", "interval": settings.service_monitor_interval}],
             },
         })
-    network = KubernetesNetwork(name, namespace, settings.cluster_domain)
     initial_peers = [network.backbone_maddr(i, P2P_PORT, pid) for i, pid in enumerate(peer_ids)]
-    return SwarmPlan(children=children, hashes=hashes, replicas=replicas, initial_peers=initial_peers, roles=roles)
+    plan = SwarmPlan(children=children, hashes=hashes, replicas=replicas, initial_peers=initial_peers, roles=roles)
+    if access is not None:
+        plan.volunteer_relays = relay_maddrs(network, access.relay_ids, public=True)
+        host = spec.volunteers.public_host
+        plan.volunteer_gateway = f"{host}:{spec.volunteers.gateway_port}" if host else None
+    return plan
+
+
+def _secret(metadata: dict[str, Any], data: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": metadata, "type": "Opaque", "data": dict(sorted(data.items()))}
 
 
 def keys_secret(owner: dict[str, Any], swarm: str, namespace: str, keys_data: dict[str, str]) -> dict[str, Any]:
@@ -281,6 +340,8 @@ def _service(metadata: dict, swarm: str, component: str) -> dict:
     ports = [{"name": METRICS, "port": METRICS_PORT, "targetPort": METRICS, "protocol": "TCP"}]
     if backbone:
         ports.append({"name": P2P, "port": P2P_PORT, "targetPort": P2P, "protocol": "TCP"})
+    if component == "auth":  # peers reach the token service by the pod's DNS name
+        ports.append({"name": GRPC, "port": GRPC_PORT, "targetPort": GRPC, "protocol": "TCP"})
     return {
         "apiVersion": "v1", "kind": "Service", "metadata": metadata,
         "spec": {
@@ -304,7 +365,9 @@ def _quantity_resources(resources: Resources) -> dict[str, Any]:
 
 def _pod_template(swarm: str, component: str, resources: Resources, config_hash: str, settings: WorkloadSettings,
                   grace: int, *, keys: bool = False, restart_policy: str = "Always",
-                  index: int | None = None) -> dict[str, Any]:
+                  index: int | None = None, door: VolunteersSpec | None = None) -> dict[str, Any]:
+    """With `door` (spec.volunteers), every pod gets its invite; the token service gets the
+    signing key, the allowlist Secret and its gRPC port instead."""
     args = ["--component", component]
     if index is not None:
         args += ["--index", str(index)]
@@ -323,6 +386,21 @@ def _pod_template(swarm: str, component: str, resources: Resources, config_hash:
     if keys:
         mounts.append({"name": "keys", "mountPath": KEYS_DIR, "readOnly": True})
         volumes.append({"name": "keys", "secret": {"secretName": keys_secret_name(swarm), "defaultMode": 0o440}})
+    ports = [{"name": P2P, "containerPort": P2P_PORT, "protocol": "TCP"},
+             {"name": METRICS, "containerPort": METRICS_PORT, "protocol": "TCP"}]
+    if door is not None and component == "auth":
+        mounts.append({"name": "swarm-auth", "mountPath": SWARM_KEY_DIR, "readOnly": True})
+        volumes.append({"name": "swarm-auth", "secret": {"secretName": volunteers.swarm_auth_secret_name(swarm),
+                                                         "defaultMode": 0o440}})
+        if door.allowlist_secret:  # the user's Secret; edits reach the file, and the service re-reads it
+            mounts.append({"name": "allowlist", "mountPath": ALLOWLIST_DIR, "readOnly": True})
+            volumes.append({"name": "allowlist", "secret": {"secretName": door.allowlist_secret, "defaultMode": 0o440,
+                                                            "items": [{"key": "allowlist", "path": "allowlist"}]}})
+        ports.append({"name": GRPC, "containerPort": GRPC_PORT, "protocol": "TCP"})
+    elif door is not None:
+        mounts.append({"name": "invites", "mountPath": INVITES_DIR, "readOnly": True})
+        volumes.append({"name": "invites", "secret": {"secretName": volunteers.invites_secret_name(swarm),
+                                                      "defaultMode": 0o440}})
 
     def probe(path: str, period: int, failures: int) -> dict[str, Any]:
         return {"httpGet": {"path": path, "port": METRICS}, "periodSeconds": period, "failureThreshold": failures,
@@ -341,8 +419,7 @@ def _pod_template(swarm: str, component: str, resources: Resources, config_hash:
             {"name": "HOME", "value": "/tmp"},
             {"name": "PYTHONUNBUFFERED", "value": "1"},
         ],
-        "ports": [{"name": P2P, "containerPort": P2P_PORT, "protocol": "TCP"},
-                  {"name": METRICS, "containerPort": METRICS_PORT, "protocol": "TCP"}],
+        "ports": ports,
         "resources": _quantity_resources(resources),
         "startupProbe": probe("/healthz", 5, 120),  # importing torch and building a model takes a while
         "livenessProbe": probe("/healthz", 10, 6),
@@ -445,6 +522,10 @@ def swarm_status(*, generation: int | None, previous: dict[str, Any] | None, now
     status["readyPeers"] = f"{ready_total}/{desired_total}"
     status["selector"] = trainer_selector(swarm)
     status["initialPeers"] = plan.initial_peers
+    if plan.volunteer_gateway:
+        status["volunteerGateway"] = plan.volunteer_gateway
+    if plan.volunteer_relays:
+        status["volunteerRelays"] = plan.volunteer_relays
 
     monitor_failed = job_finished(observed.workloads.get("monitor")) == "Failed"
     not_ready = [f"{STATUS_KEY[c]} {r['ready']}/{r['desired']}" for c, r in roles.items() if r["ready"] < r["desired"]]

@@ -29,7 +29,8 @@ class KindRuntime:
 
 def _swarm_identities(manifest: Manifest) -> list[str]:
     spec = manifest.spec
-    return [f"backbone-{i}" for i in range(spec.backbone.replicas)] + (["balancer-0"] if spec.balancer.enabled else [])
+    return ([f"backbone-{i}" for i in range(spec.backbone.replicas)] + (["balancer-0"] if spec.balancer.enabled else [])
+            + [f"relay-{i}" for i in range(spec.volunteers.relays if spec.volunteers.enabled else 0)])
 
 
 def _swarm_roles(manifest: Manifest, network: Network, peer_ids: dict[str, str], manifest_path: str,

@@ -12,13 +12,14 @@ from rich.table import Table
 from hivekeeper.local.progress import describe_round
 
 
-def read_reports(initial_peers: Sequence[str], swarm: str) -> list[dict[str, Any]]:
-    """One read of the peers' reports through a short-lived client-mode DHT peer."""
+def read_reports(initial_peers: Sequence[str], swarm: str, authorizer=None) -> list[dict[str, Any]]:
+    """One read of the peers' reports through a short-lived client-mode DHT peer (signing its
+    requests with `authorizer` where the swarm admits peers by token)."""
     import hivemind
 
     from hivekeeper.swarm.common import read_peer_reports
 
-    dht = hivemind.DHT(initial_peers=list(initial_peers), client_mode=True, start=True)
+    dht = hivemind.DHT(initial_peers=list(initial_peers), client_mode=True, start=True, authorizer=authorizer)
     try:
         return sorted(read_peer_reports(dht, swarm), key=lambda r: (r.get("role", ""), r.get("name", "")))
     finally:

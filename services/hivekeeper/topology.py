@@ -4,7 +4,8 @@ between the two; a `Network` says how, and the rest is the same."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import ipaddress
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from hivekeeper.spec import Manifest
@@ -12,6 +13,7 @@ from hivekeeper.spec.swarm import Resources, SwarmSpec
 
 METRICS = "metrics"
 P2P = "p2p"
+GRPC = "grpc"
 PLAN_FOLLOWERS = ("trainer", "auxiliary", "monitor")  # the monitor only shows the plan
 
 
@@ -45,13 +47,24 @@ class Network(Protocol):
     def announce_host(self, role_name: str) -> str | None:
         """The address others dial for this role, if not the listen address."""
 
+    def gateway_address(self) -> str:
+        """host:port where the swarm's own roles reach the token service."""
+
+    def relay_public_address(self, index: int) -> str | None:
+        """host:port where volunteers outside reach relay `index` (None: not known yet, as for
+        a LoadBalancer still being provisioned)."""
+
+    def access_path(self, name: str) -> str:
+        """Where a role finds an access file: the swarm's signing key, the swarm info, the
+        allowlist, or a role's invite (ROLE.invite)."""
+
 
 def make_role(component: str, index: int, network: Network, manifest_path: str, run_dir: str,
               initial_peers: list[str], resources: Resources, *, identity: bool = False,
-              completes_run: bool = False, extra_args: tuple[str, ...] = ()) -> Role:
+              completes_run: bool = False, extra_args: tuple[str, ...] = (), extra_ports: tuple[str, ...] = ()) -> Role:
     """One role of any kind: `hivekeeper run COMPONENT` with the arguments every role takes."""
     name = f"{component}-{index}"
-    ports = {METRICS: network.port(name, METRICS), P2P: network.port(name, P2P)}
+    ports = {port: network.port(name, port) for port in (METRICS, P2P, *extra_ports)}
     args = [component, "--manifest", manifest_path, "--index", str(index), "--host", network.listen_host,
             "--p2p-port", str(ports[P2P]), "--metrics-port", str(ports[METRICS]), "--run-dir", run_dir]
     announce = network.announce_host(name)
@@ -82,12 +95,16 @@ def swarm_roles(manifest: Manifest, network: Network, backbone_peer_ids: list[st
     initial_peers = backbone_maddrs(network, backbone_peer_ids)
 
     def role(component: str, index: int, resources: Resources, *, identity: bool = False,
-             completes_run: bool = False) -> Role:
+             completes_run: bool = False, extra_args: tuple[str, ...] = ()) -> Role:
         follows_plan = balancer_peer_id and component in PLAN_FOLLOWERS
         peers = [maddr for i, maddr in enumerate(initial_peers) if not (component == "backbone" and i == index)]
+        if follows_plan:
+            extra_args += ("--plan-signer", balancer_peer_id)
+        if spec.volunteers.enabled:  # every peer signs its DHT requests with a token
+            extra_args += ("--gateway", network.gateway_address(),
+                           "--invite", network.access_path(f"{component}-{index}.invite"))
         return make_role(component, index, network, manifest_path, run_dir, peers, resources, identity=identity,
-                         completes_run=completes_run,
-                         extra_args=("--plan-signer", balancer_peer_id) if follows_plan else ())
+                         completes_run=completes_run, extra_args=extra_args)
 
     backbone_resources = Resources(cpu="250m", memory="512Mi")
     roles = [role("backbone", i, backbone_resources, identity=True) for i in range(spec.backbone.replicas)]
@@ -97,4 +114,52 @@ def swarm_roles(manifest: Manifest, network: Network, backbone_peer_ids: list[st
         roles.append(role("monitor", 0, Resources(cpu="500m", memory="1Gi"), completes_run=True))
     if spec.balancer.enabled:
         roles.append(role("balancer", 0, Resources(cpu="500m", memory="1Gi"), identity=True))
+    if spec.volunteers.enabled:
+        for i in range(spec.volunteers.relays):
+            public = network.relay_public_address(i)
+            roles.append(role("relay", i, backbone_resources, identity=True,
+                              extra_args=("--public-address", public) if public else ()))
+        roles.insert(0, auth_role(spec, network, manifest_path, run_dir))
     return roles
+
+
+def auth_role(spec: SwarmSpec, network: Network, manifest_path: str, run_dir: str) -> Role:
+    """The token service: it signs access tokens and joins no DHT (it needs no token itself)."""
+    args = ("--swarm-key", network.access_path("swarm-auth.pem"), "--swarm-info", network.access_path("swarm-info.json"))
+    if spec.volunteers.allowlist_secret:
+        args += ("--allowlist-file", network.access_path("allowlist"))
+    role = make_role("auth", 0, network, manifest_path, run_dir, [], Resources(cpu="250m", memory="512Mi"),
+                     extra_args=args, extra_ports=(GRPC,))
+    return replace(role, args=role.args + ("--grpc-port", str(role.ports[GRPC])))
+
+
+def relay_maddrs(network: Network, relay_peer_ids: list[str], public: bool) -> list[str]:
+    """Where relays are dialed: from inside (other roles) or from outside (volunteers)."""
+    maddrs = []
+    for i, peer_id in enumerate(relay_peer_ids):
+        if public:
+            address = network.relay_public_address(i)
+            if address:  # a relay without a public address yet is left out
+                host, port = address.rsplit(":", 1)
+                maddrs.append(f"{host_protocol(host)}/tcp/{port}/p2p/{peer_id}")
+        else:
+            maddrs.append(network.backbone_maddr(i, network.port(f"relay-{i}", P2P), peer_id, component="relay"))
+    return maddrs
+
+
+def host_protocol(host: str) -> str:
+    """/ip4/HOST or /dns4/HOST: public addresses may be names."""
+    try:
+        ipaddress.IPv4Address(host)
+        return f"/ip4/{host}"
+    except ValueError:
+        return f"/dns4/{host}"
+
+
+def volunteer_info(manifest: Manifest, network: Network, relay_peer_ids: list[str]) -> dict:
+    """What the token service hands a joining volunteer: the resource to contribute to and the
+    relays it bootstraps from (backbone peers are inside the cluster, out of its reach)."""
+    relays = relay_maddrs(network, relay_peer_ids, public=True)
+    return {"kind": manifest.kind, "name": manifest.metadata.name,
+            "manifest": manifest.model_dump(by_alias=True, mode="json", exclude_none=True),
+            "initialPeers": relays, "relays": relays}

@@ -20,6 +20,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--initial-peers", nargs="+", default=None, metavar="MADDR",
                         help="with --swarm: backbone multiaddrs (a resource's .status.initialPeers; default: "
                              "the run directory's)")
+    parser.add_argument("--gateway", default=None, metavar="HOST:PORT",
+                        help="with --swarm, for a swarm that admits peers by token: its token service "
+                             "(default: the run directory's)")
+    parser.add_argument("--invite", default=None, metavar="PATH", help="with --gateway: your invite file")
     parser.set_defaults(handler=run)
 
 
@@ -38,8 +42,9 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else _newest_run()
     summary_path = run_dir / "summary.json"
     port = _monitor_port(run_dir)
+    host = _run_record(run_dir).get("host", "127.0.0.1")
     while True:
-        status = fetch_status(port) if port else None
+        status = fetch_status(port, host=host) if port else None
         if status is None:
             if summary_path.exists():
                 summary = json.loads(summary_path.read_text())
@@ -84,10 +89,19 @@ def _from_dht(args: argparse.Namespace) -> int:
         run = _run_record(Path(args.run_dir) if args.run_dir else _newest_run())
         peers = peers or run.get("initialPeers")
         args.swarm = args.swarm or run.get("name")
+        if not args.gateway and run.get("gateway"):
+            args.gateway, args.invite = run["gateway"], args.invite or run.get("invite")
         if not peers or not args.swarm:
             raise UserError("--swarm NAME --initial-peers MADDR...: give both, or a local run directory")
+    if args.gateway and not args.invite:
+        raise UserError("--gateway needs --invite: the token service admits only invited peers")
+    authorizer = None
+    if args.gateway:
+        from hivekeeper.auth.authorizer import make_authorizer
+
+        authorizer = make_authorizer(args.gateway, args.invite)
     try:
-        reports = read_reports(peers, args.swarm)
+        reports = read_reports(peers, args.swarm, authorizer)
     except Exception as e:  # hivemind raises what the bootstrap met: unreachable, a bad multiaddr...
         raise UserError(f"cannot reach the swarm through {' '.join(peers)}: {e}") from None
     if args.json:

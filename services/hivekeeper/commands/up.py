@@ -9,13 +9,15 @@ from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("up", help="run a manifest locally as supervised processes on 127.0.0.1")
+    parser = subparsers.add_parser("up", help="run a manifest locally as supervised processes (on 127.0.0.1 by default)")
     parser.add_argument("manifest", help="a Swarm manifest (YAML)")
     parser.add_argument("--run-dir", default=None, help="where logs, checkpoints and summary.json go "
                         "(default: runs/NAME-TIMESTAMP)")
     parser.add_argument("--json", action="store_true", help="print the final summary as JSON on stdout")
     parser.add_argument("--prometheus", action="store_true",
                         help="also run a local Prometheus scraping every process (needs the prometheus binary)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address every process listens on and announces (volunteers dial relays here)")
     parser.set_defaults(handler=run)
 
 
@@ -31,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hivekeeper.local.runner import run_locally
 
-    summary = run_locally(manifest, run_dir, prometheus=args.prometheus)
+    summary = run_locally(manifest, run_dir, prometheus=args.prometheus, host=args.host)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

@@ -1,10 +1,14 @@
-"""The local `Network`: every role on loopback, ports chosen free up front so the runner knows
-where each process serves metrics and where the backbone listens before anything starts."""
+"""The local `Network`: every role on one address (loopback unless `up --host`), ports chosen
+free up front so the runner knows where each process serves metrics and where the backbone
+listens before anything starts."""
 
 from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Optional
+
+from hivekeeper.spec.volunteers import VolunteersSpec
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -14,14 +18,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class LocalNetwork:
-    listen_host = "127.0.0.1"
-
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, host: str = "127.0.0.1", volunteers: Optional[VolunteersSpec] = None):
         self.run_dir = run_dir
+        self.listen_host = host
+        self.volunteers = volunteers or VolunteersSpec()
         self._ports: dict[tuple[str, str], int] = {}
 
     def port(self, role_name: str, port_name: str) -> int:
-        if port_name == "p2p" and not role_name.startswith("backbone"):
+        # What volunteers dial is on the spec's ports, as in a cluster (a router may forward them).
+        if role_name.startswith("relay-") and port_name == "p2p":
+            return self.volunteers.relay_port + int(role_name.split("-")[1])
+        if role_name == "auth-0" and port_name == "grpc":
+            return self.volunteers.gateway_port
+        if port_name == "p2p" and not role_name.startswith(("backbone", "relay")):
             return 0  # nobody dials these directly; the DHT carries their addresses
         key = (role_name, port_name)
         if key not in self._ports:
@@ -40,3 +49,12 @@ class LocalNetwork:
 
     def announce_host(self, role_name: str) -> str | None:
         return None
+
+    def gateway_address(self) -> str:
+        return f"{self.listen_host}:{self.port('auth-0', 'grpc')}"
+
+    def relay_public_address(self, index: int) -> str:
+        return f"{self.volunteers.public_host or self.listen_host}:{self.port(f'relay-{index}', 'p2p')}"
+
+    def access_path(self, name: str) -> str:
+        return str(self.run_dir / "keys" / name)

@@ -16,9 +16,9 @@ from rich.table import Table
 from hivekeeper.local.supervisor import Supervisor
 
 
-def fetch_status(port: int, timeout: float = 1.0) -> Optional[dict[str, Any]]:
+def fetch_status(port: int, timeout: float = 1.0, host: str = "127.0.0.1") -> Optional[dict[str, Any]]:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=timeout) as reply:
+        with urllib.request.urlopen(f"http://{host}:{port}/status", timeout=timeout) as reply:
             return json.loads(reply.read())
     except (OSError, ValueError):
         return None
@@ -121,6 +121,6 @@ class ProgressView:
             processes.add_column(column)
         for child in self.supervisor.children:
             pid = str(child.process.pid) if child.process is not None else "-"
-            url = f"http://127.0.0.1:{child.role.ports['metrics']}/metrics"
+            url = f"http://{self.supervisor.host}:{child.role.ports['metrics']}/metrics"
             processes.add_row(child.role.name, pid, child.state, str(child.restarts), url)
         return Group(summary, processes)

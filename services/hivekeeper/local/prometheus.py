@@ -21,10 +21,10 @@ from hivekeeper.topology import METRICS, Role
 SCRAPE_INTERVAL = "2s"  # local runs are short: see rounds as they happen
 
 
-def scrape_config(name: str, roles: list[Role]) -> dict:
+def scrape_config(name: str, roles: list[Role], host: str = "127.0.0.1") -> dict:
     jobs: dict[str, list[str]] = {}
     for role in roles:
-        jobs.setdefault(f"{name}-{role.component}", []).append(f"127.0.0.1:{role.ports[METRICS]}")
+        jobs.setdefault(f"{name}-{role.component}", []).append(f"{host}:{role.ports[METRICS]}")
     return {
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
         "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}
@@ -43,12 +43,13 @@ class LocalPrometheus:
     """A Prometheus server for one run: config and data under RUN_DIR/prometheus, its log in
     RUN_DIR/logs/prometheus.log, listening on 127.0.0.1."""
 
-    def __init__(self, run_dir: Path, name: str, roles: list[Role], binary: Optional[str] = None):
+    def __init__(self, run_dir: Path, name: str, roles: list[Role], binary: Optional[str] = None,
+                 host: str = "127.0.0.1"):
         self.binary = binary or prometheus_binary()
         self.dir = run_dir / "prometheus"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.config = scrape_config(name, roles)
+        self.config = scrape_config(name, roles, host)
         self.process: Optional[subprocess.Popen] = None
         self.log_path = run_dir / "logs" / "prometheus.log"
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from rich.console import Console
 
+from hivekeeper.local.access import ADMIN_INVITE, provision_access
 from hivekeeper.local.identity import ensure_identity
 from hivekeeper.local.network import LocalNetwork
 from hivekeeper.local.progress import ProgressView, fetch_status
@@ -25,41 +26,49 @@ from hivekeeper.topology import METRICS, P2P
 POLL_SECONDS = 0.5
 
 
-def prepare_run(manifest: Manifest, run_dir: Path) -> tuple[Path, list]:
+def prepare_run(manifest: Manifest, run_dir: Path, host: str = "127.0.0.1") -> tuple[Path, list]:
     """Write the rendered manifest and the keys of the roles others must know in advance (the
-    backbone's, the balancer's), and lay out every role."""
+    backbone's, the balancer's, the relays'), and lay out every role."""
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = run_dir / "manifest.json"
     manifest_path.write_text(json.dumps(manifest.model_dump(by_alias=True, mode="json", exclude_none=True), indent=2))
-    network = LocalNetwork(run_dir)
+    network = LocalNetwork(run_dir, host, getattr(manifest.spec, "volunteers", None))
     kind = runtime(manifest.kind)
     peer_ids = {name: ensure_identity(Path(network.identity_path(name))) for name in kind.identity_roles(manifest)}
     roles = kind.roles(manifest, network, peer_ids, str(manifest_path.resolve()), str(run_dir.resolve()))
+    admits_by_token = any(role.component == "auth" for role in roles)
+    if admits_by_token:
+        provision_access(manifest, network, roles, peer_ids)
     (run_dir / "ports.json").write_text(json.dumps({role.name: role.ports[METRICS] for role in roles}, indent=2))
     backbone = [r for r in roles if r.component.startswith("backbone")]  # every kind's bootstrap peers
     progress = next((r.name for r in roles if r.completes_run), None)
     (run_dir / "run.json").write_text(json.dumps({
-        "kind": manifest.kind, "name": manifest.metadata.name,
+        "kind": manifest.kind, "name": manifest.metadata.name, "host": host,
         "progressRole": progress,  # whose /status shows the run's progress (`hivekeeper status`)
         "initialPeers": [network.backbone_maddr(r.index, r.ports[P2P], peer_ids[r.name], r.component)
                          for r in backbone if r.name in peer_ids],
+        **({"gateway": network.gateway_address(), "invite": network.access_path(ADMIN_INVITE)}
+           if admits_by_token else {}),
     }, indent=2))
     return manifest_path, roles
 
 
 def run_locally(manifest: Manifest, run_dir: Path, console: Console | None = None,
-                prometheus: bool = False) -> dict[str, Any]:
+                prometheus: bool = False, host: str = "127.0.0.1") -> dict[str, Any]:
     console = console or Console(stderr=True)
     started = time.time()
-    _, roles = prepare_run(manifest, run_dir)
+    _, roles = prepare_run(manifest, run_dir, host)
     (run_dir / "result.json").unlink(missing_ok=True)
-    supervisor = Supervisor(roles, run_dir / "logs")
+    supervisor = Supervisor(roles, run_dir / "logs", host=host)
     monitor = next((r for r in roles if r.completes_run), None)
-    scraper = LocalPrometheus(run_dir, manifest.metadata.name, roles) if prometheus else None
+    scraper = LocalPrometheus(run_dir, manifest.metadata.name, roles, host=host) if prometheus else None
 
     console.print(f"[bold]{manifest.metadata.name}[/]: {len(roles)} processes, run directory {run_dir}")
     for role in roles:
-        console.print(f"  {role.name:<12} metrics http://127.0.0.1:{role.ports[METRICS]}/metrics", highlight=False)
+        console.print(f"  {role.name:<12} metrics http://{host}:{role.ports[METRICS]}/metrics", highlight=False)
+    if any(role.component == "auth" for role in roles):
+        console.print(f"  volunteers   hivekeeper join {_gateway(run_dir)} --token "
+                      f"$(hivekeeper invite {run_dir} --identity NAME)", highlight=False)
     if scraper:
         scraper.start()
         (run_dir / "prometheus.url").write_text(scraper.url)
@@ -70,13 +79,13 @@ def run_locally(manifest: Manifest, run_dir: Path, console: Console | None = Non
     previous = {sig: signal.signal(sig, lambda *_: interrupted.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     completed = False
     try:
-        supervisor.start(ready_first=("backbone",))
+        supervisor.start(ready_first=("auth", "backbone"))
         with ProgressView(manifest.metadata.name, supervisor, runtime(manifest.kind).target_steps(manifest), console) as view:
             while not interrupted.is_set():
                 if supervisor.poll():
                     completed = True
                     break
-                view.update(fetch_status(monitor.ports[METRICS]) if monitor else None)
+                view.update(fetch_status(monitor.ports[METRICS], host=host) if monitor else None)
                 interrupted.wait(POLL_SECONDS)
     finally:
         console.print("stopping all processes..." if not completed else "run complete; stopping peers...")
@@ -89,6 +98,10 @@ def run_locally(manifest: Manifest, run_dir: Path, console: Console | None = Non
     summary = build_summary(manifest, run_dir, supervisor, started, completed, interrupted.is_set())
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _gateway(run_dir: Path) -> str:
+    return json.loads((run_dir / "run.json").read_text())["gateway"]
 
 
 def build_summary(manifest: Manifest, run_dir: Path, supervisor: Supervisor, started: float, completed: bool,
@@ -115,7 +128,7 @@ def build_summary(manifest: Manifest, run_dir: Path, supervisor: Supervisor, sta
             child.role.name: {
                 "restarts": child.restarts,
                 "exitCodes": child.exit_codes,
-                "metrics": f"http://127.0.0.1:{child.role.ports[METRICS]}/metrics",
+                "metrics": f"http://{supervisor.host}:{child.role.ports[METRICS]}/metrics",
                 "log": str(child.log_path),
             }
             for child in supervisor.children

@@ -47,7 +47,8 @@ class Child:
 
 class Supervisor:
     def __init__(self, roles: Sequence[Role], log_dir: Path, command: Sequence[str] | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, host: str = "127.0.0.1"):
+        self.host = host  # where the children serve /readyz and /metrics
         self.command = list(command or [sys.executable, "-m", "hivekeeper", "run"])
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -62,7 +63,7 @@ class Supervisor:
             self._spawn(child)
         deadline = time.monotonic() + ready_timeout
         for child in first:
-            while not _is_ready(child.role.ports.get("metrics")):
+            while not _is_ready(self.host, child.role.ports.get("metrics")):
                 if child.process is not None and child.process.poll() is not None:
                     raise RuntimeError(f"{child.role.name} exited during start-up; see {child.log_path}")
                 if time.monotonic() > deadline:
@@ -138,11 +139,11 @@ class Supervisor:
                     pass
 
 
-def _is_ready(port: Optional[int]) -> bool:
+def _is_ready(host: str, port: Optional[int]) -> bool:
     if not port:
         return True
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1.0) as reply:
+        with urllib.request.urlopen(f"http://{host}:{port}/readyz", timeout=1.0) as reply:
             return reply.status == 200
     except OSError:
         return False

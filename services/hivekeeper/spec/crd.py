@@ -74,6 +74,11 @@ class SwarmStatus(ResourceStatus):
     auxiliary: Optional[RoleStatus] = None
     monitor: Optional[RoleStatus] = None
     balancer: Optional[RoleStatus] = None
+    relays: Optional[RoleStatus] = None
+    auth: Optional[RoleStatus] = None
+    volunteer_gateway: Optional[str] = Field(
+        None, description="host:port volunteers pass to `hivekeeper join` (spec.volunteers)")
+    volunteer_relays: list[str] = Field(default_factory=list, description="the relays' public multiaddrs")
     selector: Optional[str] = Field(None, description="label selector of the trainer pods (scale subresource)")
     peers_alive: dict[str, int] = Field(default_factory=dict, description="peers reporting in the DHT, by role")
     global_step: Optional[int] = Field(None, ge=0, description="the collaboration's optimizer step (monitor)")

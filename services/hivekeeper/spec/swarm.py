@@ -10,6 +10,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, StrictBool, field_validator, model_validator
 
 from hivekeeper.spec.base import SpecModel
+from hivekeeper.spec.volunteers import VolunteersSpec
 
 CompressionName = Literal["none", "float16", "uniform8bit", "blockwise8bit"]
 
@@ -183,6 +184,7 @@ class SwarmSpec(SpecModel):
     monitor: MonitorSpec = Field(default_factory=MonitorSpec)
     balancer: BalancerSpec = Field(default_factory=BalancerSpec)
     stopping: StoppingSpec = Field(default_factory=lambda: StoppingSpec(target_steps=100))
+    volunteers: VolunteersSpec = Field(default_factory=VolunteersSpec)
 
     @model_validator(mode="after")
     def _consistent(self) -> "SwarmSpec":

@@ -18,6 +18,7 @@ from hivekeeper.metrics import SwarmMetrics
 from hivekeeper.service import ServiceEndpoint
 from hivekeeper.spec import Manifest, load_manifest
 from hivekeeper.spec.swarm import SwarmSpec
+from hivekeeper.topology import host_protocol
 
 PEERS_KEY = "_peers"  # subkey per peer: the role's latest report (roles, losses, throughput)
 STOP_KEY = "_stop"  # set by the monitor when the stopping condition is met
@@ -44,6 +45,8 @@ def add_role_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway", default=None, metavar="HOST:PORT",
                         help="the swarm's token service: sign every DHT request with a token from it")
     parser.add_argument("--invite", default=None, metavar="PATH", help="file with this peer's invite (with --gateway)")
+    parser.add_argument("--public-address", default=None, metavar="HOST:PORT",
+                        help="relay: where volunteers outside dial it (announced along with --announce-host)")
     # The auth role's own inputs.
     parser.add_argument("--swarm-key", default=None, metavar="PATH", help="auth: the swarm's token-signing key")
     parser.add_argument("--allowlist-file", default=None, metavar="PATH",
@@ -91,14 +94,14 @@ class RoleContext:
             return None
         return f"{self.args.announce_host or self.args.host}:{self.endpoint.port}"
 
-    def make_dht(self, client_mode: bool = False, attempts: int = 5):
+    def make_dht(self, client_mode: bool = False, attempts: int = 5, **p2p_options: Any):
         """Join the DHT, retrying while the bootstrap peers are unreachable (a backbone that is
         still starting, a loaded machine): the role fails only if they stay unreachable."""
         from hivemind.p2p import P2PDaemonError
 
         for attempt in range(1, attempts + 1):
             try:
-                return self._make_dht(client_mode)
+                return self._make_dht(client_mode, **p2p_options)
             # p2pd's own bootstrap error, or hivemind's "DHTNode bootstrap failed" when the
             # backbone is up but does not answer yet (the local runner starts it first, but a
             # loaded machine may still be slow)
@@ -121,12 +124,16 @@ class RoleContext:
 
         return make_authorizer(self.args.gateway, self.args.invite)
 
-    def _make_dht(self, client_mode: bool):
+    def _make_dht(self, client_mode: bool, **p2p_options: Any):
         import hivemind
 
         host_maddrs = [f"/ip4/{self.args.host}/tcp/{self.args.p2p_port}"]
         announce = self.args.announce_host
-        announce_maddrs = [f"/ip4/{announce}/tcp/{self.args.p2p_port}"] if announce and self.args.p2p_port else None
+        announce_maddrs = [f"{host_protocol(announce)}/tcp/{self.args.p2p_port}"] if announce and self.args.p2p_port else None
+        if self.args.public_address:  # a relay: dialed from outside at the Service's address too
+            host, port = self.args.public_address.rsplit(":", 1)
+            announce_maddrs = (announce_maddrs or [f"{host_protocol(self.args.host)}/tcp/{self.args.p2p_port}"]) + [
+                f"{host_protocol(host)}/tcp/{port}"]
         client_mode = client_mode or self.args.client_mode
         relays = list(self.args.relay)
         dht = hivemind.DHT(
@@ -137,10 +144,14 @@ class RoleContext:
             client_mode=client_mode,
             use_auto_relay=bool(relays),
             trusted_relays=relays or None,
+            # autorelay reserves a slot only once AutoNAT finds us private, which it never does
+            # where every address is private (AutoNAT dials back public ones only): say so
+            force_reachability="private" if relays else None,
             authorizer=self.authorizer(),
             start=True,
             # Ctrl-C reaches every process in the terminal's group; we shut the DHT down ourselves.
             daemon=True,
+            **p2p_options,
         )
         self.metrics.peer_info.info(
             {"swarm": self.run_id, "role": self.role, "peer": self.peer_name, "peer_id": str(dht.peer_id),
