@@ -368,7 +368,7 @@ def test_completed_run_stops_the_peers(cluster, client, start_operator):
     apply_swarm(client, example())
     wait_for(lambda: all_children_made(cluster), what="children")
     become_ready(cluster)
-    wait_for(lambda: swarm(cluster)["status"].get("phase") == "Running", what="Running")
+    wait_for(lambda: swarm(cluster).get("status", {}).get("phase") == "Running", what="Running")
     cluster.set_status(JOBS, NS, "digits-monitor", {
         "succeeded": 1, "active": 0, "conditions": [{"type": "Complete", "status": "True"}]})
     done = wait_for(lambda: (s := swarm(cluster))["status"]["phase"] == "Succeeded" and s, what="Succeeded")

@@ -4,6 +4,7 @@ status conditions, and the runtime image's entrypoint."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import subprocess
@@ -22,16 +23,20 @@ from hivekeeper.spec import load_manifest  # noqa: E402
 from hivekeeper_operator import launch  # noqa: E402
 from hivekeeper_operator.conditions import Cond, render_conditions  # noqa: E402
 from hivekeeper_operator.network import KubernetesNetwork  # noqa: E402
+from hivekeeper_operator import volunteers  # noqa: E402
 from hivekeeper_operator.swarm import (  # noqa: E402
     CONFIG_HASH,
     Observed,
+    VolunteerAccess,
     WorkloadSettings,
     plan_swarm,
+    render_roles,
     swarm_status,
 )
 
 PEER = "QmcMnYTosWBs1ZaJR1dwEV3eRk1SHoPoTggxmWwZJGKG96"
 SETTINGS = WorkloadSettings(image="hivekeeper:test")
+SWARM_KEY = volunteers.generate_swarm_key()  # made once: RSA key generation is slow
 
 
 def owner(name: str) -> dict:
@@ -44,8 +49,18 @@ def plan_for(path: Path, **kwargs):
     peers = [PEER] * manifest.spec.backbone.replicas
     keys = {f"backbone-{i}.key": "a2V5" for i in range(manifest.spec.backbone.replicas)}
     balancer = PEER if manifest.spec.balancer.enabled else None
+    if manifest.spec.volunteers.enabled and "access" not in kwargs:
+        kwargs["access"] = volunteer_access(manifest, peers, balancer)
     return manifest, plan_swarm(owner(manifest.metadata.name), manifest, peers, keys, SETTINGS, balancer_id=balancer,
                                 **kwargs)
+
+
+def volunteer_access(manifest, peers: list[str], balancer: str | None, hosts: list | None = None) -> VolunteerAccess:
+    door = manifest.spec.volunteers
+    hosts = hosts if hosts is not None else volunteers.public_hosts(door, [None] * door.relays)
+    roles = render_roles(manifest, peers, SETTINGS, balancer, hosts)
+    auth, invites = volunteers.ensure_access(None, None, manifest.metadata.name, roles, generate=lambda: SWARM_KEY)
+    return VolunteerAccess(relay_ids=[PEER] * door.relays, relay_hosts=hosts, auth_data=auth, invites_data=invites)
 
 
 EXAMPLE_PATHS = sorted(EXAMPLES.glob("*.yaml"))
@@ -71,8 +86,10 @@ def test_planned_children_are_valid_kubernetes_objects(path):
     # The names a StatefulSet's pods get stay within DNS label limits even for the longest name.
     long_name = load_manifest(path)
     long_name.metadata.name = "x" * 40
+    balancer = PEER if long_name.spec.balancer.enabled else None
+    access = volunteer_access(long_name, [PEER], balancer) if long_name.spec.volunteers.enabled else None
     for child in plan_swarm(owner(long_name.metadata.name), long_name, [PEER] * long_name.spec.backbone.replicas,
-                            {}, SETTINGS, balancer_id=PEER if long_name.spec.balancer.enabled else None).children:
+                            {}, SETTINGS, balancer_id=balancer, access=access).children:
         if child["kind"] == "StatefulSet":
             assert len(child["metadata"]["name"]) <= 52  # room for "-<controller-revision-hash>"
         kubernetes_validate.validate(child, "1.33.0", strict=True)
@@ -87,6 +104,8 @@ def test_every_pod_command_is_one_the_cli_accepts(path):
     expected |= {f"auxiliary-{i}" for i in range(manifest.spec.auxiliary.replicas)}
     expected |= {"monitor-0"} if manifest.spec.monitor.enabled else set()
     expected |= {"balancer-0"} if manifest.spec.balancer.enabled else set()
+    door = manifest.spec.volunteers
+    expected |= {"auth-0", *(f"relay-{i}" for i in range(door.relays))} if door.enabled else set()
     assert set(roles) == expected
     environ = {"POD_IP": "10.1.2.3"}
     for name, role in roles.items():
@@ -242,3 +261,107 @@ def test_a_job_pod_takes_its_completion_index(tmp_path, capsys):
         mp.setenv("JOB_COMPLETION_INDEX", "0")
         assert launch.main(["--component", "block-client", "--roles", str(roles_file), "--dry-run"]) == 0
     assert json.loads(capsys.readouterr().out) == ["hivekeeper", "run", "block-client", "--index", "0"]
+
+
+# ---------------------------------------------------------------------------------------------
+# spec.volunteers: relays, the token service, invites
+
+
+def _by_name(plan) -> dict:
+    return {(c["kind"], c["metadata"]["name"]): c for c in plan.children}
+
+
+def _pod_spec(children: dict, component: str, name: str = "digits-open") -> dict:
+    return children[("StatefulSet", f"{name}-{component}")]["spec"]["template"]["spec"]
+
+
+def test_volunteers_get_relays_and_a_gateway_outside_and_every_peer_an_invite():
+    manifest = load_manifest(EXAMPLES / "swarm-digits-volunteers.yaml")
+    manifest.spec.volunteers.relays = 2
+    manifest.spec.volunteers.allowlist_secret = "alice-and-friends"
+    hosts = ["203.0.113.7", None]  # relay 1's LoadBalancer has no address yet
+    access = volunteer_access(manifest, [PEER], PEER, hosts)
+    plan = plan_swarm(owner("digits-open"), manifest, [PEER], {"backbone-0.key": "a2V5"}, SETTINGS,
+                      balancer_id=PEER, access=access)
+    children = _by_name(plan)
+    relay0, gateway = children[("Service", "digits-open-relay-0")], children[("Service", "digits-open-gateway")]
+    assert relay0["spec"]["type"] == "LoadBalancer" and relay0["spec"]["ports"][0]["port"] == 31337
+    assert relay0["spec"]["selector"]["statefulset.kubernetes.io/pod-name"] == "digits-open-relay-0"
+    assert children[("Service", "digits-open-relay-1")]["spec"]["ports"][0]["port"] == 31338
+    assert gateway["spec"]["ports"][0] == {"name": "grpc", "port": 31336, "targetPort": "grpc", "protocol": "TCP"}
+    assert children[("StatefulSet", "digits-open-relay")]["spec"]["replicas"] == 2
+    args = {role.name: role.args for role in plan.roles}
+    assert args["relay-0"][args["relay-0"].index("--public-address") + 1] == "203.0.113.7:31337"
+    assert "--public-address" not in args["relay-1"]  # announced once its address is known
+    info = json.loads(children[("ConfigMap", "digits-open-config")]["data"]["swarm-info.json"])
+    assert info["relays"] == [f"/ip4/203.0.113.7/tcp/31337/p2p/{PEER}"] == plan.volunteer_relays
+    assert info["manifest"]["spec"]["volunteers"]["enabled"] is True
+    # Every peer signs with a token from the in-cluster token service, using its own invite.
+    gateway_address = "digits-open-auth-0.digits-open-auth.default.svc.cluster.local:50051"
+    for role in plan.roles:
+        if role.component != "auth":
+            assert args[role.name][args[role.name].index("--gateway") + 1] == gateway_address, role.name
+            assert f"/var/run/hivekeeper/invites/{role.name}.invite" in args[role.name]
+    for component in ("trainer", "relay", "backbone"):
+        volumes = {v["name"]: v for v in _pod_spec(children, component)["volumes"]}
+        assert volumes["invites"]["secret"]["secretName"] == "digits-open-invites" and "swarm-auth" not in volumes
+    auth = _pod_spec(children, "auth")
+    volumes = {v["name"]: v for v in auth["volumes"]}
+    assert volumes["swarm-auth"]["secret"]["secretName"] == "digits-open-swarm-auth" and "invites" not in volumes
+    assert volumes["allowlist"]["secret"] == {"secretName": "alice-and-friends", "defaultMode": 0o440,
+                                              "items": [{"key": "allowlist", "path": "allowlist"}]}
+    assert {"name": "grpc", "containerPort": 50051, "protocol": "TCP"} in auth["containers"][0]["ports"]
+    status = swarm_status(generation=1, previous=None, now="2026-11-23T00:00:00Z", plan=plan,
+                          observed=Observed(workloads={}), swarm="digits-open")
+    assert status["volunteerRelays"] == plan.volunteer_relays and status["relays"]["desired"] == 2
+
+
+def test_invites_are_signed_by_the_swarm_key_for_each_role_and_kept_across_reconciles():
+    from cryptography.hazmat.primitives import serialization
+
+    from hivekeeper.auth.keys import wrap_private_key
+    from hivekeeper.auth.tokens import read_invite
+
+    manifest = load_manifest(EXAMPLES / "swarm-digits-volunteers.yaml")
+    roles = render_roles(manifest, [PEER], SETTINGS, PEER, [None])
+    auth, invites = volunteers.ensure_access(None, None, "digits-open", roles, generate=lambda: SWARM_KEY)
+    key = wrap_private_key(serialization.load_pem_private_key(SWARM_KEY, password=None))
+    assert set(invites) == {f"{r.name}.invite" for r in roles if r.component != "auth"}
+    for name, data in invites.items():
+        invite = read_invite(base64.b64decode(data).decode(), key.get_public_key())
+        assert invite.identity == f"digits-open/{name.removesuffix('.invite')}" and invite.internal
+    assert volunteers.ensure_access(auth, invites, "digits-open", roles) == (auth, invites)  # stable
+    other = volunteers.generate_swarm_key()
+    _, reissued = volunteers.ensure_access({"swarm-auth.pem": base64.b64encode(other).decode()}, invites,
+                                           "digits-open", roles)
+    assert all(reissued[name] != invites[name] for name in invites)  # a new key invalidates the old invites
+
+
+def test_nodeport_volunteers_need_a_public_host_and_ports_in_range():
+    from hivekeeper.errors import UserError
+    from hivekeeper.spec import parse_manifest
+
+    document = yaml.safe_load((EXAMPLES / "swarm-digits-volunteers.yaml").read_text())
+    document["spec"]["volunteers"]["serviceType"] = "NodePort"
+    with pytest.raises(UserError, match="publicHost"):
+        parse_manifest(document)
+    document["spec"]["volunteers"].update(publicHost="node.example.org", relayPort=31000, gatewayPort=30999)
+    manifest = parse_manifest(document)
+    plan = plan_swarm(owner("digits-open"), manifest, [PEER], {}, SETTINGS, balancer_id=PEER,
+                      access=volunteer_access(manifest, [PEER], PEER))
+    relay = _by_name(plan)[("Service", "digits-open-relay-0")]
+    assert relay["spec"]["type"] == "NodePort" and relay["spec"]["ports"][0]["nodePort"] == 31000
+    assert plan.volunteer_gateway == "node.example.org:30999"
+    assert plan.volunteer_relays == [f"/dns4/node.example.org/tcp/31000/p2p/{PEER}"]
+    document["spec"]["volunteers"]["relayPort"] = 29000
+    with pytest.raises(UserError, match="30000-32767"):
+        parse_manifest(document)
+
+
+def test_volunteers_disabled_plans_none_of_it_and_lists_it_for_deletion():
+    _, plan = plan_for(EXAMPLES / "swarm-digits.yaml")
+    names = {c["metadata"]["name"] for c in plan.children}
+    assert not names & {"digits-relay", "digits-auth", "digits-gateway", "digits-invites", "digits-swarm-auth"}
+    from hivekeeper_operator.swarm import all_children
+    listed = {name for _, _, name in all_children("digits")}
+    assert {"digits-relay", "digits-auth", "digits-gateway", "digits-invites", "digits-relay-0"} <= listed
