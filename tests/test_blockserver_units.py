@@ -165,3 +165,83 @@ def test_a_saved_checkpoint_folder_serves_the_same_blocks(tiny, tmp_path):
     torch.testing.assert_close(SpanBackend(load_span(folder, 1, 2), 64, 32, 60).forward(x, 1, 2), exact)
     with pytest.raises(FileNotFoundError, match="is not a Hugging Face folder"):
         num_blocks(ModelSpec(checkpoint=str(tmp_path)))
+
+
+def _random_llama_folder(tmp_path):
+    import transformers
+
+    from hivekeeper.blocks.checkpoint import write_random_checkpoint
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    return ModelSpec(checkpoint=str(write_random_checkpoint(tmp_path / "random", config, seed=3)))
+
+
+def test_random_weights_folder_builds_the_same_parts_without_the_whole(tmp_path):
+    """A server's span and a client's embeddings and head, each built alone, equal the same
+    parts of the whole model: every parameter is a hash of (seed, name, index)."""
+    from hivekeeper.blocks.checkpoint import hashed_uniform_, load_client_model
+
+    spec = _random_llama_folder(tmp_path)
+    whole = load_model(spec).state_dict()
+    span = load_span(spec, 1, 3)
+    for name, tensor in span.blocks.state_dict().items():
+        index, rest = name.split(".", 1)
+        assert torch.equal(tensor, whole[f"model.layers.{int(index) + 1}.{rest}"]), name
+    client = load_client_model(spec)
+    assert sorted(client.state_dict()) == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+    for name, tensor in client.state_dict().items():
+        assert torch.equal(tensor, whole[name]), name
+    weight = whole["model.layers.0.mlp.up_proj.weight"]
+    assert abs(weight.std().item() - 0.02) < 0.001 and abs(weight.mean().item()) < 0.001
+    assert torch.equal(whole["model.norm.weight"], torch.ones(64))
+    # the same bits in another dtype's rounding, and for a chunked fill
+    a, b = torch.empty(5, 7), torch.empty(35)
+    assert torch.equal(hashed_uniform_(a, 1, "w", 0.02).view(-1), hashed_uniform_(b, 1, "w", 0.02))
+    assert not torch.equal(hashed_uniform_(torch.empty(35), 1, "v", 0.02), b)
+    assert torch.equal(load_span(spec, 1, 3, dtype=torch.bfloat16).blocks[0].mlp.up_proj.weight,
+                       whole["model.layers.1.mlp.up_proj.weight"].to(torch.bfloat16))
+
+
+def test_static_cache_decodes_as_the_dynamic_cache(tmp_path):
+    """fast.py's static cache (the GPU path, here run eagerly on the CPU in float32) gives what
+    transformers' blocks with a DynamicCache give: prefill, one-token steps, several tokens at
+    once, a session over part of the span; and the same cache accounting and refusals."""
+    spec = _random_llama_folder(tmp_path)
+    dynamic = SpanBackend(load_span(spec, 0, 4), 100, 20, 60)
+    static = SpanBackend(load_span(spec, 0, 4), 100, 20, 60, static_cache=True)
+    assert dynamic.runner is None and static.runner is not None and static.runner.fused is not None
+    x = torch.randn(2, 5, 64)
+    steps = [("s", x, 0, 4, 20)] + [("s", torch.randn(2, 1, 64), 0, 4, None) for _ in range(4)]
+    steps += [("s", torch.randn(2, 3, 64), 0, 4, None), ("t", x[:1], 1, 3, 10), ("t", x[:1, :1], 1, 3, None)]
+    for args in steps:
+        torch.testing.assert_close(static.inference_step(*args), dynamic.inference_step(*args), atol=1e-5, rtol=1e-5)
+    assert static.cache_tokens_left == dynamic.cache_tokens_left == 100 - 2 * 20 - 10
+    with pytest.raises(BlockRequestError, match="session s: 12 \\+ 9 tokens exceed its max_length 20"):
+        static.inference_step("s", torch.randn(2, 9, 64), 0, 4, None)
+    # greedy decoding through the static cache equals the whole model's
+    from hivekeeper.blocks.checkpoint import load_client_model
+    from hivekeeper.blocks.client import local_generate
+
+    client = load_client_model(spec)
+    prompt = torch.tensor([[5, 17, 42, 7]])
+    tokens, hidden = prompt, client.model.embed_tokens(prompt)
+    for i in range(8):
+        out = static.inference_step("g", hidden, 0, 4, 12 if i == 0 else None)
+        token = client.lm_head(client.model.norm(out[:, -1:]))[:, -1].argmax(-1)
+        tokens = torch.cat([tokens, token[:, None]], dim=1)
+        hidden = client.model.embed_tokens(token[:, None])
+    assert torch.equal(tokens, local_generate(load_model(spec), prompt, 8))
+
+
+def test_static_cache_runs_blocks_it_cannot_fuse(tmp_path):
+    """8-bit weights are no nn.Linear to fuse: the static cache runs the blocks' own modules."""
+    spec = _random_llama_folder(tmp_path)
+    spans = [load_span(spec, 0, 4) for _ in range(2)]
+    for span in spans:
+        quantize_weights(span.blocks)
+    dynamic, static = SpanBackend(spans[0], 100, 20, 60), SpanBackend(spans[1], 100, 20, 60, static_cache=True)
+    assert static.runner.fused is None
+    for args in [("s", torch.randn(1, 4, 64), 0, 4, 20), ("s", torch.randn(1, 1, 64), 0, 4, None)]:
+        torch.testing.assert_close(static.inference_step(*args), dynamic.inference_step(*args), atol=1e-5, rtol=1e-5)

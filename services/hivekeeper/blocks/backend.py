@@ -3,6 +3,11 @@ weights are frozen and never change), and inference sessions that keep attention
 values per session within a token budget. Requests are checked before any compute, and every
 refusal is a `BlockRequestError` with one line saying why.
 
+The blocks may live on a GPU (in bfloat16, say): tensors arrive and leave as float32 on the CPU
+(the wire's form) and are moved here. Llama-style spans decode with a static cache per session
+and, on a GPU, a CUDA graph of the one-token step (fast.py); other spans with transformers'
+DynamicCache.
+
 All calls come from one compute thread (the server's executor), so no locks are needed."""
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 
 from hivekeeper.blocks.arch import causal_mask
 from hivekeeper.blocks.checkpoint import SpanWeights
+from hivekeeper.blocks.fast import StaticSessionCache, StaticSpanRunner, supports_static_cache
 
 MAX_REQUEST_TOKENS = 65536  # batch x length in one request; bigger ones are split by the client
 
@@ -30,7 +36,7 @@ class Session:
     end: int
     batch: int
     max_length: int
-    cache: object  # transformers DynamicCache over the session's blocks
+    cache: object  # StaticSessionCache, or a transformers DynamicCache over the session's blocks
     position: int = 0
     last_used: float = field(default_factory=time.monotonic)
 
@@ -40,13 +46,25 @@ class Session:
 
 
 class SpanBackend:
-    def __init__(self, weights: SpanWeights, cache_tokens: int, max_session_tokens: int, session_timeout: float):
+    def __init__(self, weights: SpanWeights, cache_tokens: int, max_session_tokens: int, session_timeout: float,
+                 static_cache: Optional[bool] = None, cuda_graphs: Optional[bool] = None):
+        """`static_cache`: decode with fast.py's static cache (default: on a GPU, for spans that
+        support it); `cuda_graphs`: capture its one-token step (default: on a GPU)."""
         self.weights = weights
         self.hidden_size = int(weights.config.hidden_size)
         self.cache_tokens = cache_tokens
         self.max_session_tokens = max_session_tokens
         self.session_timeout = session_timeout
         self.sessions: dict[str, Session] = {}
+        tensor = next(t for t in weights.blocks.state_dict().values() if t.is_floating_point())
+        self.device, self.dtype = tensor.device, tensor.dtype
+        on_gpu = self.device.type == "cuda"
+        if static_cache is None:
+            static_cache = on_gpu and supports_static_cache(weights, max_session_tokens)
+        self.runner = StaticSpanRunner(weights, max_session_tokens, on_gpu if cuda_graphs is None else cuda_graphs) \
+            if static_cache else None
+        self.last_gpu_ms: Optional[float] = None  # device time of the last inference step (on a GPU)
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if on_gpu else None
 
     @property
     def start(self) -> int:
@@ -84,18 +102,25 @@ class SpanBackend:
     def _run(self, hidden: torch.Tensor, start: int, end: int, past: int, cache) -> torch.Tensor:
         w = self.weights
         batch, length, _ = hidden.shape
-        positions = torch.arange(past, past + length)[None].expand(batch, length)
-        mask = causal_mask(batch, past, length, hidden.dtype)
+        positions = torch.arange(past, past + length, device=self.device)[None].expand(batch, length)
+        mask = causal_mask(batch, past, length, hidden.dtype).to(self.device)
         rotary = w.rotary(hidden, positions) if w.rotary is not None else None
         for index in range(start, end):
             hidden = w.arch.run_block(w.blocks[index - w.start], hidden, positions, mask, cache, rotary)
         return hidden
 
+    def _in(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.to(self.device, self.dtype)
+
+    @staticmethod
+    def _out(hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.to("cpu", torch.float32)
+
     def forward(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
         self.check_span(start, end)
         self.check_hidden(hidden)
         with torch.no_grad():
-            return self._run(hidden.float(), start, end, 0, None)
+            return self._out(self._run(self._in(hidden), start, end, 0, None))
 
     def backward(self, hidden: torch.Tensor, grad_output: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """d(loss)/d(hidden) given d(loss)/d(output): the forward is recomputed (nothing is kept
@@ -107,16 +132,23 @@ class SpanBackend:
             raise BlockRequestError(f"output gradients: shape {tuple(grad_output.shape)} differs from the "
                                     f"inputs' {tuple(hidden.shape)}")
         with torch.enable_grad():
-            inputs = hidden.float().detach().requires_grad_(True)
+            inputs = self._in(hidden).detach().requires_grad_(True)
             outputs = self._run(inputs, start, end, 0, None)
-            (grad,) = torch.autograd.grad(outputs, inputs, grad_output.float())
-        return grad
+            (grad,) = torch.autograd.grad(outputs, inputs, self._in(grad_output))
+        return self._out(grad)
 
     # --- sessions ------------------------------------------------------------------------
 
     def inference_step(self, session_id: str, hidden: torch.Tensor, start: int, end: int,
                        max_length: Optional[int]) -> torch.Tensor:
-        """Run new positions of a session; the first step opens it (and needs `max_length`)."""
+        """Run new positions of a session; the first step opens it (and needs `max_length`).
+        Takes and returns float32 CPU tensors (the wire's form)."""
+        return self._out(self.inference_step_on_device(session_id, hidden, start, end, max_length))
+
+    def inference_step_on_device(self, session_id: str, hidden: torch.Tensor, start: int, end: int,
+                                 max_length: Optional[int]) -> torch.Tensor:
+        """The same, leaving the output on this backend's device and in its dtype (for callers
+        in this process; valid until the session's next step)."""
         from transformers import DynamicCache
 
         self.expire_sessions()
@@ -134,16 +166,29 @@ class SpanBackend:
             if needed > self.cache_tokens_left:
                 raise BlockRequestError(f"attention cache exhausted: the session needs {needed} tokens, "
                                         f"{self.cache_tokens_left} of {self.cache_tokens} left")
-            session = Session(session_id, start, end, hidden.shape[0], max_length, DynamicCache())
+            session = Session(session_id, start, end, hidden.shape[0], max_length, None)
         if (start, end) != (session.start, session.end) or hidden.shape[0] != session.batch:
             raise BlockRequestError(f"session {session_id}: opened for blocks {session.start}:{session.end}, "
                                     f"batch {session.batch}; got blocks {start}:{end}, batch {hidden.shape[0]}")
         if session.position + hidden.shape[1] > session.max_length:
             raise BlockRequestError(f"session {session_id}: {session.position} + {hidden.shape[1]} tokens exceed "
                                     f"its max_length {session.max_length}")
-        self.sessions[session_id] = session  # opened only once the first step passed every check
+        if session.cache is None:  # allocated only once the first step passed every check
+            session.cache = self.runner.new_cache(start, end, session.batch, max_length) \
+                if self.runner is not None else DynamicCache()
+        self.sessions[session_id] = session
+        x = self._in(hidden)
+        if self._events is not None:
+            self._events[0].record()
         with torch.no_grad():
-            out = self._run(hidden.float(), start, end, session.position, session.cache)
+            if isinstance(session.cache, StaticSessionCache):
+                out = self.runner.step(session.cache, x, session.position)
+            else:
+                out = self._run(x, start, end, session.position, session.cache)
+        if self._events is not None:
+            self._events[1].record()
+            self._events[1].synchronize()
+            self.last_gpu_ms = self._events[0].elapsed_time(self._events[1])
         session.position += hidden.shape[1]
         session.last_used = time.monotonic()
         return out

@@ -23,7 +23,7 @@ from torch import nn
 
 from hivekeeper.blocks import protocol
 from hivekeeper.blocks.arch import architecture_of
-from hivekeeper.blocks.checkpoint import load_model
+from hivekeeper.blocks.checkpoint import load_client_model, load_model, serving_device, serving_dtype
 from hivekeeper.blocks.protocol import ServerInfo
 from hivekeeper.blocks.routing import Hop, NoRouteError, fastest_chain, throughput_chain
 from hivekeeper.spec.blockserver import ModelSpec
@@ -64,6 +64,9 @@ class RemoteSequence:
         self.rtt: dict[str, float] = {}
         self.rng = random.Random(seed)
         self.failovers = 0
+        # Set to a list to record every call_hop: {start, end, rpc_ms, encode_ms, call_ms, and
+        # the server's handler_ms / compute_ms / gpu_ms from its reply} (benchmarks' breakdown).
+        self.hop_log: Optional[list[dict]] = None
 
     def close(self) -> None:
         """Close this process's handle on the DHT's p2pd (before the DHT itself shuts down)."""
@@ -130,12 +133,22 @@ class RemoteSequence:
     def call_hop(self, kind: str, hop: Hop, tensors: Sequence[torch.Tensor], metadata: dict,
                  expect: tuple[int, ...]) -> torch.Tensor:
         """One hop; a reply of the wrong shape or with NaNs is a server failure too."""
+        began = time.perf_counter()
         request = protocol.make_request(hop.start, hop.end, tensors, metadata, self.compression)
+        sent = time.perf_counter()
         response = self.call(f"rpc_{kind}", hop.peer_id, request)
+        answered = time.perf_counter()
         try:
             outputs = protocol.read_tensors(response)
         except Exception as e:
             raise ServerError(f"undecodable reply: {e}") from None
+        if self.hop_log is not None:
+            served = protocol.read_metadata(response)
+            self.hop_log.append({"kind": kind, "start": hop.start, "end": hop.end,
+                                 "rpc_ms": 1000 * (time.perf_counter() - began),
+                                 "encode_ms": 1000 * (sent - began), "call_ms": 1000 * (answered - sent),
+                                 **{k: served[k] for k in ("compute_ms", "gpu_ms", "handler_ms")
+                                    if isinstance(served.get(k), float)}})
         if len(outputs) != 1 or tuple(outputs[0].shape) != expect or not torch.isfinite(outputs[0]).all():
             shapes = [tuple(t.shape) for t in outputs]
             raise ServerError(f"garbage reply: expected one finite tensor of shape {expect}, got {shapes}")
@@ -247,18 +260,26 @@ class _RemoteBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, sequence: RemoteSequence) -> torch.Tensor:
         parts = sequence.parts(hidden.shape[0], hidden.shape[1])
+        wire = _to_wire(hidden)
         with ThreadPoolExecutor(max_workers=max(1, min(len(parts), 4))) as pool:
-            results = list(pool.map(lambda p: sequence.forward_span(hidden[p].detach(), 0, sequence.num_blocks), parts))
+            results = list(pool.map(lambda p: sequence.forward_span(wire[p], 0, sequence.num_blocks), parts))
         ctx.sequence, ctx.parts, ctx.traces = sequence, parts, [trace for _, trace in results]
-        return torch.cat([out for out, _ in results])
+        ctx.like = (hidden.device, hidden.dtype)
+        return torch.cat([out for out, _ in results]).to(*ctx.like)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         sequence: RemoteSequence = ctx.sequence
+        wire = _to_wire(grad_output)
         with ThreadPoolExecutor(max_workers=max(1, min(len(ctx.parts), 4))) as pool:
-            grads = list(pool.map(lambda pt: sequence.backward_span(pt[1], grad_output[pt[0]].contiguous()),
+            grads = list(pool.map(lambda pt: sequence.backward_span(pt[1], wire[pt[0]].contiguous()),
                                   zip(ctx.parts, ctx.traces)))
-        return torch.cat(grads), None
+        return torch.cat(grads).to(*ctx.like), None
+
+
+def _to_wire(hidden: torch.Tensor) -> torch.Tensor:
+    """Hidden states as they travel: float32 on the CPU (the servers cast to their own dtype)."""
+    return hidden.detach().to("cpu", torch.float32)
 
 
 @dataclass
@@ -291,7 +312,7 @@ class InferenceSession:
                              f"got {tuple(hidden.shape)}")
         if self.position + hidden.shape[1] > self.max_length:
             raise ValueError(f"session: {self.position} + {hidden.shape[1]} tokens exceed max_length {self.max_length}")
-        x, k, failures, last = hidden.detach(), 0, 0, ""
+        x, k, failures, last = _to_wire(hidden), 0, 0, ""
         while k < len(self.hops):
             hs = self.hops[k]
             meta = {"session": hs.session_id, "max_length": self.max_length}
@@ -312,7 +333,7 @@ class InferenceSession:
             hs.inputs.append(x)
             x, k = out, k + 1
         self.position += hidden.shape[1]
-        return x
+        return x.to(hidden.device, hidden.dtype)
 
     def _replace(self, k: int) -> None:
         """Route hop k's blocks through other servers and replay its past inputs there, so their
@@ -354,21 +375,25 @@ class InferenceSession:
 
 class RemoteCausalLM(nn.Module):
     """A causal language model whose blocks run on servers. Embeddings, final norm and head are
-    local (and frozen: fine-tuning trains soft prompts and adapters, see finetune.py)."""
+    local (and frozen: fine-tuning trains soft prompts and adapters, see finetune.py), on
+    `device` in `dtype` (default: checkpoint.serving_device() and serving_dtype())."""
 
-    def __init__(self, model: ModelSpec, sequence: RemoteSequence):
+    def __init__(self, model: ModelSpec, sequence: RemoteSequence, device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None):
         super().__init__()
-        local = load_model(model)
+        self.device = torch.device(device) if device is not None else serving_device()
+        self.dtype = dtype or serving_dtype(self.device)
+        local = load_client_model(model, self.device, self.dtype)
         self.arch = architecture_of(local.config)
         self.config = local.config
-        self.arch.drop_blocks(local)
         for parameter in local.parameters():
             parameter.requires_grad_(False)
         self.local = local
         self.sequence = sequence
 
     def embed(self, input_ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        positions = torch.arange(offset, offset + input_ids.shape[1])[None].expand_as(input_ids)
+        input_ids = input_ids.to(self.device)
+        positions = torch.arange(offset, offset + input_ids.shape[1], device=self.device)[None].expand_as(input_ids)
         return self.arch.embed(self.local, input_ids, positions)
 
     def forward(self, input_ids: torch.Tensor, prefix: Optional[torch.Tensor] = None,
@@ -405,7 +430,9 @@ class RemoteCausalLM(nn.Module):
                 if adapter is not None:
                     out = out + adapter(out)
                 logits = self.arch.head(self.local, out)[:, -1].float()
-                token = _pick(logits, do_sample, temperature, top_k, generator)
+                if do_sample:  # the generator is the CPU's: the same draws wherever the head runs
+                    logits = logits.cpu()
+                token = _pick(logits, do_sample, temperature, top_k, generator).cpu()
                 tokens = torch.cat([tokens, token[:, None]], dim=1)
                 if on_token is not None:
                     on_token(count, session)

@@ -19,7 +19,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.qweight.float() * self.scale, self.bias)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return nn.functional.linear(x, self.qweight.to(x.dtype) * self.scale.to(x.dtype), bias)
 
 
 def quantize_weights(module: nn.Module) -> int:

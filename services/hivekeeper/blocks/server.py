@@ -20,7 +20,7 @@ from hivemind.proto import runtime_pb2
 
 from hivekeeper.blocks import protocol
 from hivekeeper.blocks.backend import BlockRequestError, SpanBackend
-from hivekeeper.blocks.checkpoint import load_span, num_blocks
+from hivekeeper.blocks.checkpoint import load_span, num_blocks, serving_device, serving_dtype
 from hivekeeper.blocks.protocol import JOINING, OFFLINE, ONLINE, ServerInfo
 from hivekeeper.blocks.quantize import quantize_weights
 from hivekeeper.blocks.role import load_block_context
@@ -83,6 +83,7 @@ class BlockServicer(ServicerBase):
         return protocol.make_response([], {"closed": closed})
 
     async def _serve(self, kind: str, request, run) -> runtime_pb2.ExpertResponse:
+        entered = time.perf_counter()
         try:
             backend = self._backend()
             if backend is None:
@@ -94,11 +95,18 @@ class BlockServicer(ServicerBase):
             self.metrics.requests.labels(kind, "refused").inc()
             raise BlockRequestError(f"{kind}: malformed request: {e}") from None
 
+        timing: dict[str, float] = {}
+
         def compute() -> torch.Tensor:
             began = time.perf_counter()
+            backend.last_gpu_ms = None
             out = run(backend, start, end, tensors, meta)
-            self.metrics.request_duration.labels(kind).observe(time.perf_counter() - began)
+            seconds = time.perf_counter() - began
+            self.metrics.request_duration.labels(kind).observe(seconds)
             self.metrics.tokens.labels(kind).inc(tensors[0].shape[0] * tensors[0].shape[1])
+            timing["compute_ms"] = 1000 * seconds  # the request on the compute thread, copies included
+            if backend.last_gpu_ms is not None:
+                timing["gpu_ms"] = backend.last_gpu_ms  # of which the blocks on the GPU
             return out
 
         try:
@@ -111,14 +119,15 @@ class BlockServicer(ServicerBase):
             log.exception("request failed", extra={"fields": {"kind": kind}})
             raise BlockRequestError(f"{kind}: server error: {type(e).__name__}: {e}") from None
         self.metrics.requests.labels(kind, "ok").inc()
-        return protocol.make_response([out], {}, self.compression)
+        timing["handler_ms"] = 1000 * (time.perf_counter() - entered)  # decoding, queueing, compute
+        return protocol.make_response([out], timing, self.compression)
 
 
 def weights_digest(backend: SpanBackend) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(backend.weights.blocks.state_dict().items()):
         digest.update(name.encode())
-        digest.update(tensor.contiguous().numpy().tobytes())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -272,7 +281,8 @@ class BlockServer:
 
     def _load(self, start: int, end: int) -> SpanBackend:
         servers = self.spec.servers
-        weights = load_span(self.spec.model, start, end)
+        device = serving_device()
+        weights = load_span(self.spec.model, start, end, device, serving_dtype(device))
         if servers.weights == "int8":
             quantize_weights(weights.blocks)
         return SpanBackend(weights, servers.cache_tokens, servers.max_session_tokens, servers.session_timeout_seconds)
