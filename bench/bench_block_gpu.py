@@ -143,13 +143,14 @@ def agreement(a: list[int], b: list[int]) -> int:
     return count
 
 
-def manifest(tmp: Path, checkpoint: Path, max_length: int, name: str = "gpu-bench") -> Path:
+def manifest(tmp: Path, checkpoint: Path, max_length: int, name: str = "gpu-bench",
+             device: torch.device = torch.device("cpu")) -> Path:
     document = {
         "apiVersion": "hivekeeper.dev/v1alpha1", "kind": "BlockServer", "metadata": {"name": name},
         "spec": {
             "model": {"checkpoint": str(checkpoint)},
             "servers": {"replicas": 2, "cacheTokens": 4 * max_length, "maxSessionTokens": max_length,
-                        "torchThreads": 2},
+                        "torchThreads": 2, "device": str(device)},
             "compression": "none",
             "balancer": {"enabled": False},
             "client": {"enabled": False},
@@ -160,9 +161,8 @@ def manifest(tmp: Path, checkpoint: Path, max_length: int, name: str = "gpu-benc
     return path
 
 
-def start_servers(path: Path, spans: list[str], peers: list[str], tmp: Path, logs: Path,
-                  device: torch.device) -> list[subprocess.Popen]:
-    env = {**os.environ, "HIVEKEEPER_BLOCK_DEVICE": str(device), "PYTHONUNBUFFERED": "1"}
+def start_servers(path: Path, spans: list[str], peers: list[str], tmp: Path, logs: Path) -> list[subprocess.Popen]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return [subprocess.Popen([sys.executable, "-m", "hivekeeper", "run", "block-server", "--manifest", str(path),
                               "--index", str(i), "--run-dir", str(tmp), "--blocks", span, "--initial-peers", *peers],
                              stdout=open(logs / f"{path.stem}-{i}.log", "wb"), stderr=subprocess.STDOUT,
@@ -450,7 +450,7 @@ def main() -> None:
             name, run_id = f"distributed_{count}_server{'s' if count > 1 else ''}", f"gpu-bench-{count}"
             cuts = [round(i * blocks / count) for i in range(count + 1)]
             spans = [f"{a}:{b}" for a, b in zip(cuts, cuts[1:])]
-            processes = start_servers(manifest(tmp, checkpoint, max_length, run_id), spans, peers, tmp, logs, device)
+            processes = start_servers(manifest(tmp, checkpoint, max_length, run_id, device), spans, peers, tmp, logs)
             try:
                 measure_distributed(dht, peers, name, run_id, spans, processes)
             except Exception as e:

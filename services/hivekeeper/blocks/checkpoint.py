@@ -9,13 +9,12 @@ and head, without ever building the whole model (an 8B model's blocks appear on 
 
 A server keeps only its span's blocks (and the rotary embedding a Llama-style block needs); a
 client keeps only the embeddings, the final norm and the head. Where they live (CPU or a GPU)
-and in which dtype: `serving_device()` and `serving_dtype()` (environment variables)."""
+and in which dtype: `serving_device()` and `serving_dtype()` (the spec's servers.device and .dtype)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -48,30 +47,28 @@ def load_config(model: ModelSpec):
     return transformers.AutoConfig.from_pretrained(_folder(model.checkpoint), local_files_only=True)
 
 
-DEVICE_ENV = "HIVEKEEPER_BLOCK_DEVICE"  # cpu (default), cuda, cuda:N, or auto (cuda when there is one)
-DTYPE_ENV = "HIVEKEEPER_BLOCK_DTYPE"  # float32, bfloat16, float16; default: float32 on CPU, bfloat16 on a GPU
 RANDOM_WEIGHTS_KEY = "hivekeeper_random_weights"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def serving_device() -> torch.device:
-    """Where servers keep their blocks and clients their embeddings and head. CPU unless asked:
-    the exact-equality tests compare float32 runs, and a GPU in bfloat16 is a different model."""
-    name = os.environ.get(DEVICE_ENV, "cpu").strip() or "cpu"
+def serving_device(name: str = "cpu") -> torch.device:
+    """Where a server keeps its blocks (servers.device) and a client its embeddings and head.
+    CPU unless asked: the exact-equality tests compare float32 runs, and a GPU in bfloat16 is a
+    different model."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"{DEVICE_ENV}={name}, but torch sees no CUDA device")
+        raise RuntimeError(f"servers.device is {name}, but torch sees no CUDA device")
     return device
 
 
-def serving_dtype(device: torch.device) -> torch.dtype:
-    name = os.environ.get(DTYPE_ENV, "").strip()
+def serving_dtype(device: torch.device, name: Optional[str] = None) -> torch.dtype:
+    """servers.dtype, or float32 on the CPU and bfloat16 on a GPU."""
     if not name:
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     if name not in _DTYPES:
-        raise ValueError(f"{DTYPE_ENV}={name!r}: expected one of {', '.join(_DTYPES)}")
+        raise ValueError(f"servers.dtype {name!r}: expected one of {', '.join(_DTYPES)}")
     return _DTYPES[name]
 
 

@@ -281,8 +281,8 @@ class BlockServer:
 
     def _load(self, start: int, end: int) -> SpanBackend:
         servers = self.spec.servers
-        device = serving_device()
-        weights = load_span(self.spec.model, start, end, device, serving_dtype(device))
+        device = serving_device(self.spec.servers.device)
+        weights = load_span(self.spec.model, start, end, device, serving_dtype(device, self.spec.servers.dtype))
         if servers.weights == "int8":
             quantize_weights(weights.blocks)
         return SpanBackend(weights, servers.cache_tokens, servers.max_session_tokens, servers.session_timeout_seconds)

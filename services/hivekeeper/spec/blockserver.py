@@ -57,6 +57,11 @@ class ServersSpec(SpecModel):
     max_session_tokens: int = Field(2048, ge=1, description="the longest inference session (prompt + generated)")
     session_timeout_seconds: float = Field(120.0, gt=0, description="an idle session's cache is freed after this")
     weights: Literal["float32", "int8"] = Field("float32", description="int8: per-row 8-bit weights, dequantized per call")
+    device: str = Field("cpu", pattern=r"^(cpu|auto|cuda(:\d+)?)$",
+                        description="where a server keeps its span: cpu, cuda, cuda:N, or auto (cuda when there is one); "
+                                    "on cuda, decoding runs a static KV cache replayed as a CUDA graph")
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(
+        None, description="the span's dtype; default float32 on cpu, bfloat16 on cuda")
     balance_quality: float = Field(
         0.75, gt=0, description="move to another span only if the worst block's throughput rises so that old/new < this")
     rebalance_seconds: float = Field(30.0, gt=0, description="how often an online server checks whether to move")
