@@ -94,3 +94,9 @@ class SwarmMetrics:
             "hivekeeper_eval_metric", "Held-out metric of the averaged model (monitor)", ["metric"], registry=r
         )
         self.checkpoints = Counter("hivekeeper_checkpoints_saved", "Checkpoints the monitor saved", registry=r)
+        # the token service (auth role)
+        self.auth_tokens_issued = Counter(
+            "hivekeeper_auth_tokens_issued", "Access tokens the token service issued, by invite kind",
+            ["kind"], registry=r)
+        self.auth_refusals = Counter(
+            "hivekeeper_auth_refusals", "Join requests the token service refused, by reason", ["reason"], registry=r)
