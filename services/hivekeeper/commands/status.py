@@ -99,7 +99,7 @@ def _from_dht(args: argparse.Namespace) -> int:
     if args.gateway:
         from hivekeeper.auth.authorizer import make_authorizer
 
-        authorizer = make_authorizer(args.gateway, args.invite)
+        authorizer = make_authorizer(args.gateway, args.invite, patience=10)
     try:
         reports = read_reports(peers, args.swarm, authorizer)
     except Exception as e:  # hivemind raises what the bootstrap met: unreachable, a bad multiaddr...
