@@ -10,7 +10,7 @@ import sys
 from hivekeeper import __version__
 from hivekeeper.errors import UserError
 
-COMMANDS = ("up", "run", "status", "validate", "plan", "crds", "dashboards", "report")
+COMMANDS = ("up", "run", "status", "validate", "plan", "crds", "dashboards", "report", "invite", "join")
 
 
 def build_parser() -> argparse.ArgumentParser:

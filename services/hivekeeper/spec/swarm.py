@@ -195,7 +195,8 @@ class SwarmSpec(SpecModel):
         if self.trainers.client_mode and self.auxiliary.replicas == 0 and self.backbone.replicas == 0:
             raise ValueError("client-mode trainers need an auxiliary or backbone peer that accepts connections")
         group = self.averaging.target_group_size
-        if group is not None and group > self.trainers.replicas + self.auxiliary.replicas:
+        # volunteers are averaging peers the spec does not count: room for them is the point
+        if group is not None and group > self.trainers.replicas + self.auxiliary.replicas and not self.volunteers.enabled:
             raise ValueError(
                 f"averaging.targetGroupSize ({group}) exceeds the averaging peers "
                 f"(trainers + auxiliary = {self.trainers.replicas + self.auxiliary.replicas})"

@@ -136,6 +136,10 @@ class RoleContext:
                 f"{host_protocol(host)}/tcp/{port}"]
         client_mode = client_mode or self.args.client_mode
         relays = list(self.args.relay)
+        if relays:
+            from hivekeeper.volunteer.p2pd_flags import use_static_relays
+
+            use_static_relays()  # reserve at these relays, at once
         dht = hivemind.DHT(
             initial_peers=list(self.args.initial_peers),
             host_maddrs=host_maddrs,
@@ -144,14 +148,13 @@ class RoleContext:
             client_mode=client_mode,
             use_auto_relay=bool(relays),
             trusted_relays=relays or None,
-            # autorelay reserves a slot only once AutoNAT finds us private, which it never does
-            # where every address is private (AutoNAT dials back public ones only): say so
-            force_reachability="private" if relays else None,
             authorizer=self.authorizer(),
             start=True,
             # Ctrl-C reaches every process in the terminal's group; we shut the DHT down ourselves.
             daemon=True,
-            **p2p_options,
+            # autorelay reserves a slot only once AutoNAT finds us private, which it never does
+            # where every address is private (AutoNAT dials back public ones only): say so
+            **{"force_reachability": "private" if relays else None, **p2p_options},
         )
         self.metrics.peer_info.info(
             {"swarm": self.run_id, "role": self.role, "peer": self.peer_name, "peer_id": str(dht.peer_id),

@@ -1,0 +1,176 @@
+"""Dial-back reachability check: can the swarm open a connection to this peer?
+
+A peer asks a checker (a relay, or any peer serving `HANDLER`) to dial it at the multiaddrs it
+names. The checker dials from a fresh temporary P2P daemon that has never seen the caller, so
+the connection the caller itself opened to ask does not count, and answers whether the dial
+succeeded and which address it saw the caller's request come from. Naming direct addresses
+tests direct reachability; naming a relay's /p2p-circuit address tests the relayed path.
+
+The checker dials the caller's own peer ID (the handshake proves who answers), at no more
+than MAX_MADDRS addresses, a few checks at a time. It dials another peer only at relayed
+addresses through itself (a watchdog asking whether a volunteer still holds its reservation):
+it cannot be made to probe others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+log = logging.getLogger("hivekeeper.reachability")
+
+HANDLER = "hivekeeper.reachability.v1"
+DIAL_TIMEOUT = 6.0  # a NAT that drops inbound SYNs makes the dial hang until this
+MAX_MADDRS = 8
+MAX_CONCURRENT = 2  # each check starts a p2pd of its own
+MAX_REQUEST_BYTES = 16 << 10
+
+
+@dataclass(frozen=True)
+class Answer:
+    checker: str  # peer ID of the peer that dialed back
+    reachable: bool
+    observed: Optional[str] = None  # where the checker saw our request come from
+    error: Optional[str] = None
+
+
+@dataclass
+class ReachabilityService:
+    """Answers dial-back requests. Lives where the P2P instance lives (a DHT's process)."""
+
+    dial_timeout: float = DIAL_TIMEOUT
+    _own_id: str = ""
+    outcomes: Counter = field(default_factory=Counter)  # reachable | unreachable | error
+    _slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_CONCURRENT))
+
+    async def serve(self, p2p: P2P) -> None:
+        self._own_id = p2p.peer_id.to_base58()
+        await p2p.add_binary_stream_handler(HANDLER, self._handle)
+
+    async def _handle(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = json.loads(await asyncio.wait_for(_receive(reader), self.dial_timeout))
+            target = PeerID.from_base58(request["peer"]) if request.get("peer") else info.peer_id
+            texts = request.get("maddrs", [])[:MAX_MADDRS]
+            if target != info.peer_id and not all(f"/p2p/{self._own_id}/p2p-circuit" in a for a in texts):
+                raise ValueError("another peer is checked only at relayed addresses through this relay")
+            suffix = f"/p2p/{target.to_base58()}"  # dialed as that peer anyway
+            maddrs = [WireMaddr(a.removesuffix(suffix)) for a in texts]
+            async with self._slots:
+                reachable, error = await self.dial_back(target, maddrs)
+            self.outcomes["reachable" if reachable else "unreachable"] += 1
+            reply = {"reachable": reachable, "observed": str(info.addr), "error": error}
+        except Exception as e:  # a malformed request; the caller learns why
+            self.outcomes["error"] += 1
+            reply = {"reachable": False, "observed": str(info.addr), "error": f"bad request: {e!r}"}
+        try:
+            await P2P.send_raw_data(json.dumps(reply).encode(), writer)
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def dial_back(self, peer_id: PeerID, maddrs: Sequence["WireMaddr"]) -> tuple[bool, Optional[str]]:
+        if not maddrs:
+            return False, "no addresses to dial"
+        # no listening socket, no DHT, no bootstrap: a daemon that can only dial out
+        probe = await P2P.create(no_listen=True, auto_nat=False, nat_port_map=False, dht_mode="client",
+                                 conn_manager=False)
+        try:
+            # _client: hivemind's P2P has no public connect(); Petals' check does the same
+            await asyncio.wait_for(probe._client.connect(peer_id, list(maddrs)), self.dial_timeout)
+            return True, None
+        except Exception as e:
+            return False, repr(e) if not isinstance(e, asyncio.TimeoutError) else f"no answer in {self.dial_timeout}s"
+        finally:
+            await probe.shutdown()
+
+
+async def ask(p2p: P2P, checker: Union[str, PeerID], maddrs: Sequence[Union[str, Multiaddr]],
+              timeout: float = DIAL_TIMEOUT + 10.0, peer: Optional[str] = None) -> Answer:
+    """Ask one checker (a /p2p/ multiaddr to connect to first, or a peer ID already known) to
+    dial this peer, or `peer` through a reservation at the checker, at `maddrs`."""
+    peer_id = await connect(p2p, checker) if isinstance(checker, str) else checker
+    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, HANDLER)
+    try:
+        request = {"maddrs": [str(a) for a in maddrs], **({"peer": peer} if peer else {})}
+        await P2P.send_raw_data(json.dumps(request).encode(), writer)
+        reply: dict[str, Any] = json.loads(await asyncio.wait_for(_receive(reader), timeout))
+    finally:
+        writer.close()
+    return Answer(checker=str(peer_id), reachable=bool(reply.get("reachable")), observed=reply.get("observed"),
+                  error=reply.get("error"))
+
+
+async def check_reachability(p2p_or_dht, checkers: Sequence[Union[str, PeerID]],
+                             my_maddrs: Sequence[Union[str, Multiaddr]]) -> bool:
+    """True if any checker could dial us at `my_maddrs` (False if none could, or none answered)."""
+    p2p = await p2p_or_dht.replicate_p2p() if hasattr(p2p_or_dht, "replicate_p2p") else p2p_or_dht
+    for checker in checkers:
+        try:
+            if (await ask(p2p, checker, my_maddrs)).reachable:
+                return True
+        except Exception as e:  # a checker that is down or does not serve the check
+            log.info("reachability checker failed", extra={"fields": {"checker": str(checker), "error": repr(e)}})
+    return False
+
+
+async def connect(p2p: P2P, maddr: str, timeout: float = DIAL_TIMEOUT) -> PeerID:
+    """Open a connection to the peer at `maddr` (which must end in /p2p/ID); its peer ID."""
+    address, _, peer = maddr.rpartition("/p2p/")
+    peer_id = PeerID.from_base58(peer)
+    await asyncio.wait_for(p2p._client.connect(peer_id, [Multiaddr(address)]), timeout)
+    return peer_id
+
+
+async def _receive(reader: asyncio.StreamReader) -> bytes:
+    header = await reader.readexactly(P2P.HEADER_LEN)
+    size = int.from_bytes(header, P2P.BYTEORDER)
+    if size > MAX_REQUEST_BYTES:
+        raise ValueError(f"message of {size} bytes")
+    return await reader.readexactly(size)
+
+
+def is_relayed(maddr: Union[str, Multiaddr]) -> bool:
+    return "/p2p-circuit" in str(maddr)
+
+
+class WireMaddr:
+    """A multiaddr as p2pd reads it. hivemind's Python multiaddr writes a /p2p/ value as a CID,
+    go-multiaddr reads the bare multihash: a relay's /p2p/ID/p2p-circuit address would not
+    parse. Anything with to_bytes() does for hivemind's daemon client."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+    def to_bytes(self) -> bytes:
+        head, *rest = self.text.split("/p2p/")
+        encoded = Multiaddr(head).to_bytes() if head else b""
+        for part in rest:
+            peer, _, tail = part.partition("/")
+            multihash = PeerID.from_base58(peer).to_bytes()
+            encoded += _varint(P2P_CODE) + _varint(len(multihash)) + multihash
+            encoded += Multiaddr("/" + tail).to_bytes() if tail else b""
+        return encoded
+
+
+P2P_CODE = 421  # the multicodec of /p2p/
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)

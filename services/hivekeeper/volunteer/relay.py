@@ -1,0 +1,69 @@
+"""Relay role: the swarm's door for volunteers. A DHT peer with a stable identity and a public
+address that serves as a libp2p circuit relay (v2) for peers behind NAT, as their DHT entry
+point, and as the checker of the dial-back reachability test `hivekeeper join` runs. It trains
+nothing; like a backbone it reports who is alive and answers bandwidth probes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections import Counter
+from typing import Any
+
+from hivekeeper.spec import load_manifest
+from hivekeeper.swarm.bandwidth import serve_probes
+from hivekeeper.swarm.common import RoleContext, install_signal_handlers, read_peer_reports, setup_logging
+from hivekeeper.volunteer.metrics import RelayMetrics
+from hivekeeper.volunteer.reachability import ReachabilityService, is_relayed
+
+log = logging.getLogger("hivekeeper.relay")
+ROLES = ("backbone", "trainer", "auxiliary", "monitor", "balancer", "relay")
+_service: ReachabilityService | None = None  # in the DHT's process
+
+
+async def _serve_checks(_dht, node) -> None:
+    global _service
+    _service = ReachabilityService()
+    await _service.serve(node.p2p)
+
+
+async def _snapshot(_dht, node) -> dict[str, Any]:
+    """Runs in the DHT's process: open connections and the checks answered so far."""
+    peers = await node.p2p.list_peers()  # one entry per connection, with its remote address
+    return {"peers": len({p.peer_id for p in peers}),
+            "relayedConnections": sum(1 for p in peers if any(is_relayed(a) for a in p.addrs)),
+            "checks": dict(_service.outcomes) if _service else {}}
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging("relay", args.index)
+    # any kind: a relay does not care what the swarm computes
+    ctx = RoleContext(role="relay", args=args, manifest=load_manifest(args.manifest), metrics=RelayMetrics())
+    install_signal_handlers(ctx.stop)
+    metrics: RelayMetrics = ctx.metrics  # type: ignore[assignment]
+    ctx.start_endpoint()
+    # relay service on (the default); AutoNAT cannot vouch for private or NATed cluster addresses
+    # and the relay service starts only on a public node, so the relay declares itself public
+    dht = ctx.make_dht(use_relay=True, force_reachability="public")
+    dht.run_coroutine(_serve_checks)
+    serve_probes(dht)  # volunteers bootstrap from us: their bandwidth probe at join comes here
+    maddrs = [str(a) for a in dht.get_visible_maddrs()]
+    log.info("relay up", extra={"fields": {"peer_id": str(dht.peer_id), "maddrs": maddrs}})
+    ctx.endpoint.ready.set()
+    counted: Counter = Counter()  # checks already added to the metric (the DHT process keeps totals)
+    try:
+        while not ctx.stop.wait(2.0):
+            snapshot = dht.run_coroutine(_snapshot)
+            metrics.connected_peers.set(snapshot["peers"])
+            for outcome, count in snapshot["checks"].items():
+                metrics.reachability_checks.labels(outcome).inc(count - counted[outcome])
+                counted[outcome] = count
+            alive = Counter(report["role"] for report in read_peer_reports(dht, ctx.run_id))
+            for role in ROLES:
+                metrics.peers_alive.labels(role).set(alive.get(role, 0))
+            ctx.status.update(peersAlive=dict(alive), connectedPeers=snapshot["peers"],
+                              reachabilityChecks=snapshot["checks"], maddrs=maddrs)
+            ctx.publish_report(dht, {"connectedPeers": snapshot["peers"], "maddrs": maddrs})
+    finally:
+        dht.shutdown()
+    return 0

@@ -1,0 +1,257 @@
+"""Volunteers joining from behind a NAT, with real networking (issue 7): a Swarm runs in a
+"cluster" network namespace (`hivekeeper up --host`, its relay and token service included);
+`hivekeeper join` runs in a "home" namespace behind a masquerading router that lets nothing in
+(tests/netns.py). Every address is inside those namespaces.
+
+Polling stays light (HTTP /status with curl inside a namespace): the machine has two cores and
+the swarm, the volunteer and the test share them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from conftest import wait_for, write_manifest
+from netns import NatLab, skip_unless_possible
+
+pytestmark = pytest.mark.swarm
+
+VOLUNTEER = "alice"
+NAME = "hkt-volunteers"
+MANIFEST = {
+    "metadata": {"name": NAME},
+    "spec": {
+        "targetBatchSize": 128,
+        "trainers": {"replicas": 1, "batchSize": 16},
+        "auxiliary": {"replicas": 0},
+        "averaging": {"matchmakingSeconds": 2.0, "timeoutSeconds": 15, "targetGroupSize": 4},
+        "monitor": {"evalEverySteps": 1000, "checkpointEverySteps": 1000},
+        "stopping": {"targetSteps": 100_000},  # the tests end the run
+        "volunteers": {"enabled": True, "allowlist": [VOLUNTEER]},
+    },
+}
+
+
+def get_json(lab: NatLab, ns: str, url: str) -> Optional[Any]:
+    done = lab.run(ns, ["curl", "-sf", "--max-time", "3", url], check=False, timeout=10)
+    try:
+        return json.loads(done.stdout) if done.returncode == 0 else None
+    except ValueError:
+        return None
+
+
+@dataclass
+class Cluster:
+    lab: NatLab
+    run_dir: Path
+    runner: subprocess.Popen
+
+    @property
+    def run(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "run.json").read_text())
+
+    @property
+    def gateway(self) -> str:
+        return self.run["gateway"]
+
+    def invite(self, identity: str = VOLUNTEER) -> str:
+        from hivekeeper.auth.keys import load_swarm_key
+        from hivekeeper.auth.tokens import mint_invite
+
+        return mint_invite(load_swarm_key(self.run_dir / "keys" / "swarm-auth.pem"), identity, time.time() + 3600)
+
+    def status(self, role: str) -> Optional[dict[str, Any]]:
+        port = json.loads((self.run_dir / "ports.json").read_text())[role]
+        return get_json(self.lab, self.lab.cluster, f"http://{self.lab.cluster_ip}:{port}/status")
+
+    def reports(self) -> list[dict[str, Any]]:
+        """Every peer's report as the swarm's DHT has it, read from inside the cluster."""
+        done = self.lab.run(self.lab.cluster, [sys.executable, "-m", "hivekeeper", "status", str(self.run_dir),
+                                               "--swarm", NAME, "--json"], check=False, timeout=60)
+        return json.loads(done.stdout) if done.returncode == 0 else []
+
+    def relay_groups(self) -> set[int]:
+        """Process groups of the relay roles (each with its DHT process and p2pd)."""
+        groups = set()
+        for pid in self.lab.pids(self.lab.cluster):
+            try:
+                if b" run relay " in b" " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "):
+                    groups.add(os.getpgid(pid))
+            except (OSError, ProcessLookupError):
+                pass
+        return groups
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    skip_unless_possible()
+    tmp = tmp_path_factory.mktemp("volunteers")
+    manifest = write_manifest(tmp, MANIFEST)
+    with NatLab() as lab:
+        run_dir = tmp / "cluster"
+        with open(tmp / "up.log", "wb") as log:
+            runner = lab.popen(lab.cluster, [sys.executable, "-m", "hivekeeper", "up", str(manifest), "--run-dir",
+                                             str(run_dir), "--host", lab.cluster_ip], stdout=log, stderr=subprocess.STDOUT)
+        swarm = Cluster(lab, run_dir, runner)
+        try:
+            wait_for(lambda: (run_dir / "ports.json").exists() and (swarm.status("monitor-0") or {}).get("globalStep"),
+                     150, "the cluster to train")
+            yield swarm
+        finally:
+            runner.send_signal(signal.SIGINT)  # up stops every process it started
+            try:
+                runner.wait(20)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+class Volunteer:
+    """`hivekeeper join` running in a namespace; its join.json is read as it is rewritten."""
+
+    def __init__(self, cluster: Cluster, ns: str, host: str, run_dir: Path, *extra: str):
+        self.lab, self.ns, self.run_dir = cluster.lab, ns, run_dir
+        with open(run_dir.with_suffix(".log"), "wb") as log:
+            self.process = self.lab.popen(ns, [sys.executable, "-m", "hivekeeper", "join", cluster.gateway, "--token",
+                                               cluster.invite(), "--run-dir", str(run_dir), "--host", host, *extra],
+                                          stdout=log, stderr=subprocess.STDOUT)
+
+    def record(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.run_dir / "join.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def seconds(self, milestone: str) -> Optional[float]:
+        return self.record().get("seconds", {}).get(milestone)
+
+    def status(self) -> Optional[dict[str, Any]]:
+        url = self.record().get("status")
+        return get_json(self.lab, self.ns, url) if url else None
+
+    def averaged(self, after: float = 0.0) -> Optional[dict[str, Any]]:
+        """Its status once its latest averaging round succeeded with others, after `after` (wall time)."""
+        status = self.status() or {}
+        last = status.get("lastRound") or {}
+        if status.get("samples") and last.get("outcome") == "success" and last.get("groupSize", 0) >= 2 \
+                and last.get("time", 0) > after:
+            return status
+        return None
+
+    def stop(self) -> dict[str, Any]:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(5)
+        summary = self.run_dir / "summary.json"
+        return json.loads(summary.read_text()) if summary.exists() else {}
+
+    def __enter__(self) -> "Volunteer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def counted_by_the_swarm(cluster: Cluster, volunteer: Volunteer) -> dict[str, Any]:
+    """The collaboration's own view: the monitor counts a second trainer, and the volunteer's
+    report (samples, rounds) is in the swarm's DHT."""
+    wait_for(lambda: (cluster.status("monitor-0") or {}).get("peersAlive", {}).get("trainer", 0) >= 2, 60,
+             "the monitor to count the volunteer's trainer")
+    report = next((r for r in cluster.reports() if r.get("name") == volunteer.record()["peerName"]), None)
+    assert report and report["role"] == "trainer" and report["samples"] > 0, report
+    return report
+
+
+def test_dry_run_tells_the_mode_and_refuses_clearly(cluster, tmp_path):
+    lab = cluster.lab
+    host, port = cluster.gateway.rsplit(":", 1)
+    runs = {  # name: namespace, address, extra arguments, gateway, invite
+        "home": (lab.home, lab.home_ip, (), cluster.gateway, cluster.invite()),
+        "inside": (lab.cluster, lab.cluster_ip, (), cluster.gateway, cluster.invite()),
+        "forced": (lab.home, lab.home_ip, ("--mode", "direct"), cluster.gateway, cluster.invite()),
+        "stranger": (lab.home, lab.home_ip, (), cluster.gateway, cluster.invite("mallory")),
+        "nobody": (lab.home, lab.home_ip, (), f"{host}:{int(port) + 7}", cluster.invite()),
+    }
+
+    def dry_run(name: str) -> subprocess.CompletedProcess:
+        ns, address, extra, gateway, invite = runs[name]
+        return lab.run(ns, [sys.executable, "-m", "hivekeeper", "join", gateway, "--token", invite, "--run-dir",
+                            str(tmp_path / name), "--host", address, "--dry-run", *extra], check=False, timeout=150)
+
+    with ThreadPoolExecutor(len(runs)) as pool:
+        done = dict(zip(runs, pool.map(dry_run, runs)))
+    mode = {name: json.loads((tmp_path / name / "join.json").read_text()).get("mode") for name in ("home", "inside")}
+    assert done["home"].returncode == 0 and mode["home"] == "relay" and "relay mode" in done["home"].stderr, \
+        done["home"].stderr
+    assert done["inside"].returncode == 0 and mode["inside"] == "direct", done["inside"].stderr
+    assert done["forced"].returncode == 2 and "cannot run in direct mode" in done["forced"].stderr, done["forced"].stderr
+    assert done["stranger"].returncode == 2 and "not on this swarm's allowlist" in done["stranger"].stderr, \
+        done["stranger"].stderr
+    assert done["nobody"].returncode == 2 and "token service does not answer" in done["nobody"].stderr, \
+        done["nobody"].stderr
+
+
+@pytest.mark.timeout(600)
+def test_relayed_volunteer_contributes_and_survives_a_relay_restart(cluster, tmp_path):
+    lab = cluster.lab
+    with Volunteer(cluster, lab.home, lab.home_ip, tmp_path / "relayed") as volunteer:
+        wait_for(lambda: volunteer.record().get("mode") or volunteer.process.poll() is not None, 90, "its mode")
+        assert volunteer.record().get("mode") == "relay", volunteer.record()
+        wait_for(volunteer.averaged, 240, "a successful averaging round with the relayed volunteer")
+        wait_for(lambda: volunteer.seconds("firstGradient"), 10, "join to record the first gradient")
+        wait_for(lambda: volunteer.seconds("relayedReachable"), 60, "the relay to dial the volunteer back")
+        counted_by_the_swarm(cluster, volunteer)
+
+        # The relay restarts (up brings it back). Its reservation gone, the volunteer must get it
+        # back on its own: the new relay instance dials it back through a fresh reservation.
+        groups = cluster.relay_groups()
+        assert groups
+        restarted = time.time()
+        for group in groups:
+            os.killpg(group, signal.SIGKILL)  # the role and its p2pd: a crash, as far as up can tell
+        since_start = restarted - volunteer.record()["startedAt"]
+        wait_for(lambda: (volunteer.record().get("relayedReachableSince") or 0) > since_start, 300,
+                 "the volunteer reachable through the restarted relay")
+        wait_for(lambda: (cluster.status("relay-0") or {}).get("reachabilityChecks", {}).get("reachable"), 30,
+                 "the new relay instance to count a successful dial-back")
+        wait_for(lambda: volunteer.averaged(after=restarted + 1), 180, "a successful round after the restart")
+        summary = volunteer.stop()
+    assert summary["mode"] == "relay" and summary["watchdogRestarts"] >= 1, summary
+
+
+@pytest.mark.timeout(420)
+def test_client_mode_without_a_reachable_relay(cluster, tmp_path):
+    """Home's router refuses the relay's port. The backbone is a second entry point here (a
+    local run's backbone listens on the same public host; the test adds it to what the token
+    service hands out if the runner does not list it), so the volunteer joins dialing out only."""
+    lab = cluster.lab
+    info_path = cluster.run_dir / "keys" / "swarm-info.json"
+    info = json.loads(info_path.read_text())
+    info["initialPeers"] = list(dict.fromkeys(info["initialPeers"] + cluster.run["initialPeers"]))
+    info_path.write_text(json.dumps(info))
+    relay_port = info["relays"][0].split("/tcp/")[1].split("/")[0]
+    rule = ["FORWARD", "-d", lab.cluster_ip, "-p", "tcp", "--dport", relay_port, "-j", "REJECT", "--reject-with",
+            "tcp-reset"]
+    lab.run(lab.nat, ["iptables", "-w", "-I", *rule])
+    try:
+        with Volunteer(cluster, lab.home, lab.home_ip, tmp_path / "client") as volunteer:
+            wait_for(lambda: volunteer.record().get("mode") or volunteer.process.poll() is not None, 90, "its mode")
+            assert volunteer.record().get("mode") == "client", volunteer.record()
+            wait_for(volunteer.averaged, 240, "a successful averaging round with the client-mode volunteer")
+            wait_for(lambda: volunteer.seconds("firstGradient"), 10, "join to record the first gradient")
+            counted_by_the_swarm(cluster, volunteer)
+    finally:
+        lab.run(lab.nat, ["iptables", "-w", "-D", *rule])
