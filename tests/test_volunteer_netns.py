@@ -165,9 +165,14 @@ class Volunteer:
         self.stop()
 
 
-def counted_by_the_swarm(cluster: Cluster, volunteer: Volunteer) -> dict[str, Any]:
-    """The collaboration's own view: the monitor counts a second trainer, and the volunteer's
-    report (samples, rounds) is in the swarm's DHT."""
+def contributes(cluster: Cluster, volunteer: Volunteer, mode: str) -> dict[str, Any]:
+    """The volunteer runs in `mode`, averages with the swarm, and the collaboration counts it:
+    the monitor sees a second trainer and the volunteer's report (samples, rounds) is in the
+    swarm's DHT. Its report, as the DHT has it."""
+    wait_for(lambda: volunteer.record().get("mode") or volunteer.process.poll() is not None, 90, "its mode")
+    assert volunteer.record().get("mode") == mode, volunteer.record()
+    wait_for(volunteer.averaged, 240, f"a successful averaging round with the {mode}-mode volunteer")
+    wait_for(lambda: volunteer.seconds("firstGradient"), 10, "join to record the first gradient")
     wait_for(lambda: (cluster.status("monitor-0") or {}).get("peersAlive", {}).get("trainer", 0) >= 2, 60,
              "the monitor to count the volunteer's trainer")
     report = next((r for r in cluster.reports() if r.get("name") == volunteer.record()["peerName"]), None)
@@ -204,16 +209,20 @@ def test_dry_run_tells_the_mode_and_refuses_clearly(cluster, tmp_path):
         done["nobody"].stderr
 
 
+@pytest.mark.timeout(420)
+def test_direct_volunteer_contributes(cluster, tmp_path):
+    """A volunteer the relay can dial back (here: inside the cluster's network) runs direct."""
+    lab = cluster.lab
+    with Volunteer(cluster, lab.cluster, lab.cluster_ip, tmp_path / "direct") as volunteer:
+        contributes(cluster, volunteer, "direct")
+
+
 @pytest.mark.timeout(600)
 def test_relayed_volunteer_contributes_and_survives_a_relay_restart(cluster, tmp_path):
     lab = cluster.lab
     with Volunteer(cluster, lab.home, lab.home_ip, tmp_path / "relayed") as volunteer:
-        wait_for(lambda: volunteer.record().get("mode") or volunteer.process.poll() is not None, 90, "its mode")
-        assert volunteer.record().get("mode") == "relay", volunteer.record()
-        wait_for(volunteer.averaged, 240, "a successful averaging round with the relayed volunteer")
-        wait_for(lambda: volunteer.seconds("firstGradient"), 10, "join to record the first gradient")
+        contributes(cluster, volunteer, "relay")
         wait_for(lambda: volunteer.seconds("relayedReachable"), 60, "the relay to dial the volunteer back")
-        counted_by_the_swarm(cluster, volunteer)
 
         # The relay restarts (up brings it back). Its reservation gone, the volunteer must get it
         # back on its own: the new relay instance dials it back through a fresh reservation.
@@ -248,10 +257,6 @@ def test_client_mode_without_a_reachable_relay(cluster, tmp_path):
     lab.run(lab.nat, ["iptables", "-w", "-I", *rule])
     try:
         with Volunteer(cluster, lab.home, lab.home_ip, tmp_path / "client") as volunteer:
-            wait_for(lambda: volunteer.record().get("mode") or volunteer.process.poll() is not None, 90, "its mode")
-            assert volunteer.record().get("mode") == "client", volunteer.record()
-            wait_for(volunteer.averaged, 240, "a successful averaging round with the client-mode volunteer")
-            wait_for(lambda: volunteer.seconds("firstGradient"), 10, "join to record the first gradient")
-            counted_by_the_swarm(cluster, volunteer)
+            contributes(cluster, volunteer, "client")
     finally:
         lab.run(lab.nat, ["iptables", "-w", "-D", *rule])

@@ -115,15 +115,17 @@ def join(options: JoinOptions, console: Console | None = None) -> int:
         return 0
     _write_private(run_dir / "invite", invite)
     peer_id = ensure_identity(run_dir / "keys" / "volunteer.key")
-    role = volunteer_role(role_name, options, manifest_path, port, peer_id, initial_peers, connectivity)
+    role = volunteer_role(role_name, options, manifest_path, port, peer_id, initial_peers, connectivity,
+                          plan_signer=swarm.get("planSigner"))
     timeline.update(peerId=peer_id, peerName=role.name, status=f"http://{_local(options.host)}:{role.ports[METRICS]}/status")
     return _run(options, role, peer_id, connectivity, timeline, console, name)
 
 
 def volunteer_role(component: str, options: JoinOptions, manifest_path: Path, port: int, peer_id: str,
-                   initial_peers: list[str], connectivity: Connectivity) -> Role:
+                   initial_peers: list[str], connectivity: Connectivity, plan_signer: Optional[str] = None) -> Role:
     """`hivekeeper run COMPONENT` as a volunteer: its own index (a name apart from the swarm's
-    own replicas, a data order of its own), the mode's flags and the gateway's token."""
+    own replicas, a data order of its own), the mode's flags, the gateway's token and, when the
+    swarm tells it, whose averaging plan to follow."""
     index = 1000 + zlib.crc32(peer_id.encode()) % 9000
     ports = {METRICS: free_port(_local(options.host)), "p2p": port}
     args = [component, "--manifest", str(manifest_path), "--index", str(index), "--host", options.host,
@@ -134,6 +136,8 @@ def volunteer_role(component: str, options: JoinOptions, manifest_path: Path, po
         args += ["--relay", *connectivity.relays]
     elif connectivity.mode == CLIENT:
         args += ["--client-mode"]
+    if plan_signer:
+        args += ["--plan-signer", plan_signer]
     args += list(options.role_args)
     args += ["--initial-peers", *(connectivity.entry_points or initial_peers)]
     return Role(name=f"{component}-{index}", component=component, index=index, args=tuple(args), ports=ports,

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 from collections import Counter
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -46,9 +47,11 @@ class ReachabilityService:
     """Answers dial-back requests. Lives where the P2P instance lives (a DHT's process)."""
 
     dial_timeout: float = DIAL_TIMEOUT
-    _own_id: str = ""
     outcomes: Counter = field(default_factory=Counter)  # reachable | unreachable | error
+    _own_id: str = ""
     _slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_CONCURRENT))
+    _relay_probe: Optional[P2P] = None
+    _relay_probe_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def serve(self, p2p: P2P) -> None:
         self._own_id = p2p.peer_id.to_base58()
@@ -63,8 +66,11 @@ class ReachabilityService:
                 raise ValueError("another peer is checked only at relayed addresses through this relay")
             suffix = f"/p2p/{target.to_base58()}"  # dialed as that peer anyway
             maddrs = [WireMaddr(a.removesuffix(suffix)) for a in texts]
-            async with self._slots:
-                reachable, error = await self.dial_back(target, maddrs)
+            if target == info.peer_id:
+                async with self._slots:
+                    reachable, error = await self.dial_back(target, maddrs)
+            else:
+                reachable, error = await self.dial_relayed(target, maddrs)
             self.outcomes["reachable" if reachable else "unreachable"] += 1
             reply = {"reachable": reachable, "observed": str(info.addr), "error": error}
         except Exception as e:  # a malformed request; the caller learns why
@@ -78,19 +84,54 @@ class ReachabilityService:
             writer.close()
 
     async def dial_back(self, peer_id: PeerID, maddrs: Sequence["WireMaddr"]) -> tuple[bool, Optional[str]]:
+        """From a daemon started for this check alone."""
         if not maddrs:
             return False, "no addresses to dial"
-        # no listening socket, no DHT, no bootstrap: a daemon that can only dial out
-        probe = await P2P.create(no_listen=True, auto_nat=False, nat_port_map=False, dht_mode="client",
-                                 conn_manager=False)
+        probe = await _probe_daemon()
         try:
-            # _client: hivemind's P2P has no public connect(); Petals' check does the same
-            await asyncio.wait_for(probe._client.connect(peer_id, list(maddrs)), self.dial_timeout)
-            return True, None
-        except Exception as e:
-            return False, repr(e) if not isinstance(e, asyncio.TimeoutError) else f"no answer in {self.dial_timeout}s"
+            return await _dial(probe, peer_id, maddrs, self.dial_timeout)
         finally:
             await probe.shutdown()
+
+    async def dial_relayed(self, peer_id: PeerID, maddrs: Sequence["WireMaddr"]) -> tuple[bool, Optional[str]]:
+        """A watchdog's periodic check that a peer still holds its reservation here: from one
+        long-lived daemon (a fresh one per check would cost a p2pd start every few seconds for
+        every volunteer), disconnected after each check so that the next one dials again. It
+        may learn the peer's direct addresses: a dial that succeeds there is reachable too.
+        After a failure it is replaced, so that libp2p's dial backoff does not fail the next."""
+        async with self._relay_probe_lock:
+            if self._relay_probe is None:
+                self._relay_probe = await _probe_daemon()
+            probe = self._relay_probe
+        reachable, error = await _dial(probe, peer_id, maddrs, self.dial_timeout)
+        with suppress(Exception):
+            await probe._client.disconnect(peer_id)
+        if not reachable:
+            async with self._relay_probe_lock:
+                if self._relay_probe is probe:
+                    self._relay_probe = None
+                    await probe.shutdown()
+        return reachable, error
+
+    async def close(self) -> None:
+        if self._relay_probe is not None:
+            await self._relay_probe.shutdown()
+
+
+async def _probe_daemon() -> P2P:
+    # no listening socket, no DHT, no bootstrap: a daemon that can only dial out
+    return await P2P.create(no_listen=True, auto_nat=False, nat_port_map=False, dht_mode="client", conn_manager=False)
+
+
+async def _dial(probe: P2P, peer_id: PeerID, maddrs: Sequence["WireMaddr"], timeout: float) -> tuple[bool, Optional[str]]:
+    try:
+        # _client: hivemind's P2P has no public connect(); Petals' check does the same
+        await asyncio.wait_for(probe._client.connect(peer_id, list(maddrs)), timeout)
+        return True, None
+    except asyncio.TimeoutError:
+        return False, f"no answer in {timeout}s"
+    except Exception as e:
+        return False, repr(e)
 
 
 async def ask(p2p: P2P, checker: Union[str, PeerID], maddrs: Sequence[Union[str, Multiaddr]],

@@ -14,7 +14,7 @@ from hivekeeper.spec import load_manifest
 from hivekeeper.swarm.bandwidth import serve_probes
 from hivekeeper.swarm.common import RoleContext, install_signal_handlers, read_peer_reports, setup_logging
 from hivekeeper.volunteer.metrics import RelayMetrics
-from hivekeeper.volunteer.reachability import ReachabilityService, is_relayed
+from hivekeeper.volunteer.reachability import ReachabilityService
 
 log = logging.getLogger("hivekeeper.relay")
 ROLES = ("backbone", "trainer", "auxiliary", "monitor", "balancer", "relay")
@@ -27,12 +27,16 @@ async def _serve_checks(_dht, node) -> None:
     await _service.serve(node.p2p)
 
 
+async def _stop_checks(_dht, node) -> None:
+    if _service is not None:
+        await _service.close()
+
+
 async def _snapshot(_dht, node) -> dict[str, Any]:
     """Runs in the DHT's process: open connections and the checks answered so far."""
     peers = await node.p2p.list_peers()  # one entry per connection, with its remote address
-    return {"peers": len({p.peer_id for p in peers}),
-            "relayedConnections": sum(1 for p in peers if any(is_relayed(a) for a in p.addrs)),
-            "checks": dict(_service.outcomes) if _service else {}}
+    # p2pd does not list the circuits it relays (both ends are direct connections here)
+    return {"peers": len({p.peer_id for p in peers}), "checks": dict(_service.outcomes) if _service else {}}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,5 +69,6 @@ def run(args: argparse.Namespace) -> int:
                               reachabilityChecks=snapshot["checks"], maddrs=maddrs)
             ctx.publish_report(dht, {"connectedPeers": snapshot["peers"], "maddrs": maddrs})
     finally:
+        dht.run_coroutine(_stop_checks)
         dht.shutdown()
     return 0
