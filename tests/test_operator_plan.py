@@ -296,6 +296,7 @@ def test_volunteers_get_relays_and_a_gateway_outside_and_every_peer_an_invite():
     info = json.loads(children[("ConfigMap", "digits-open-config")]["data"]["swarm-info.json"])
     assert info["relays"] == [f"/ip4/203.0.113.7/tcp/31337/p2p/{PEER}"] == plan.volunteer_relays
     assert info["manifest"]["spec"]["volunteers"]["enabled"] is True
+    assert info["planSigner"] == PEER  # volunteers follow the balancer's plan like the swarm's own peers
     # Every peer signs with a token from the in-cluster token service, using its own invite.
     gateway_address = "digits-open-auth-0.digits-open-auth.default.svc.cluster.local:50051"
     for role in plan.roles:

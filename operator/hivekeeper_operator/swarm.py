@@ -240,7 +240,7 @@ def plan_swarm(owner: dict[str, Any], manifest: Manifest, peer_ids: list[str], k
     relay_hosts = access.relay_hosts if access else None
     roles = render_roles(manifest, peer_ids, settings, balancer_id, relay_hosts)
     network = network_of(manifest, settings, relay_hosts)
-    info = volunteer_info(manifest, network, access.relay_ids) if access else None
+    info = volunteer_info(manifest, network, access.relay_ids, plan_signer=balancer_id) if access else None
     hashes = config_hashes(manifest, settings, peer_ids, balancer_id, relay_hosts, info)
     replicas = desired_replicas(spec, completed)
     owner_ref = owner_reference(owner)

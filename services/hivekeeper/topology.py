@@ -156,10 +156,15 @@ def host_protocol(host: str) -> str:
         return f"/dns4/{host}"
 
 
-def volunteer_info(manifest: Manifest, network: Network, relay_peer_ids: list[str]) -> dict:
-    """What the token service hands a joining volunteer: the resource to contribute to and the
-    relays it bootstraps from (backbone peers are inside the cluster, out of its reach)."""
+def volunteer_info(manifest: Manifest, network: Network, relay_peer_ids: list[str],
+                   plan_signer: str | None = None) -> dict:
+    """What the token service hands a joining volunteer: the resource to contribute to, the
+    relays it bootstraps from (backbone peers are inside the cluster, out of its reach) and
+    whose averaging plan to follow."""
     relays = relay_maddrs(network, relay_peer_ids, public=True)
-    return {"kind": manifest.kind, "name": manifest.metadata.name,
+    info = {"kind": manifest.kind, "name": manifest.metadata.name,
             "manifest": manifest.model_dump(by_alias=True, mode="json", exclude_none=True),
             "initialPeers": relays, "relays": relays}
+    if plan_signer:
+        info["planSigner"] = plan_signer
+    return info

@@ -27,7 +27,8 @@ def provision_access(manifest: Manifest, network: Network, roles: list[Role], pe
         identity = f"{name}/{invitee.removesuffix('.invite')}"
         _write_private(Path(network.access_path(invitee)), mint_invite(key, identity, expires, internal=True))
     relays = [peer_ids[f"relay-{i}"] for i in range(manifest.spec.volunteers.relays)]
-    Path(network.access_path("swarm-info.json")).write_text(json.dumps(volunteer_info(manifest, network, relays), indent=2))
+    info = volunteer_info(manifest, network, relays, plan_signer=peer_ids.get("balancer-0"))
+    Path(network.access_path("swarm-info.json")).write_text(json.dumps(info, indent=2))
 
 
 def _write_private(path: Path, text: str) -> None:
