@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -62,6 +61,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from bench_block_inference import stop
 from bench_results import write_results
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,17 +168,6 @@ def start_servers(path: Path, spans: list[str], peers: list[str], tmp: Path, log
                              stdout=open(logs / f"{path.stem}-{i}.log", "wb"), stderr=subprocess.STDOUT,
                              start_new_session=True, env=env)
             for i, span in enumerate(spans)]
-
-
-def stop(processes: list[subprocess.Popen]) -> None:
-    for process in processes:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-    for process in processes:
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
 
 
 def median(values) -> float:

@@ -70,8 +70,10 @@ def start_servers(path: Path, spans: list[str], peers: list[str], tmp: Path) -> 
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM each server's process group (its p2pd too), SIGKILL what lingers."""
     for process in processes:
-        os.killpg(process.pid, signal.SIGTERM)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
     for process in processes:
         try:
             process.wait(20)
