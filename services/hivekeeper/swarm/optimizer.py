@@ -74,6 +74,7 @@ def make_instrumented_classes():
     Built lazily so that importing this module does not import hivemind."""
     import hivemind
     from hivemind.optim.grad_averager import GradientAverager
+    from hivemind.optim.state_averager import TrainingStateAverager
     from hivemind.optim.progress_tracker import ProgressTracker
 
     class BatchBoundTracker(ProgressTracker):
@@ -133,6 +134,18 @@ def make_instrumented_classes():
                 self.received_bytes.value += outbound  # all-reduce is symmetric: as much returns as goes out
             self.last_round_bytes.value = outbound
 
+    class FiniteStateAverager(TrainingStateAverager):
+        """Refuses a non-finite parameter average (a group whose weights sum to 0 divides 0 by 0,
+        as gradient averaging can) and keeps the local state instead."""
+
+        def _apply_averaging_results_(self):
+            with self.get_tensors() as averaged:
+                finite = all(bool(torch.isfinite(tensor).all()) for tensor in averaged)
+            if not finite:
+                log.error("averaged parameters are not finite; keeping the local ones")
+                return
+            super()._apply_averaging_results_()
+
     class InstrumentedOptimizer(hivemind.Optimizer):
         def __init__(self, *args: Any, metrics: SwarmMetrics, expected_peers: int = 1, **kwargs: Any):
             self.metrics = metrics
@@ -142,6 +155,7 @@ def make_instrumented_classes():
             self.state_loads = 0
             self._check_average = self._rejected_average = False
             super().__init__(*args, **kwargs)
+            self.state_averager.__class__ = FiniteStateAverager  # same state, one more check
 
         def set_computes_gradients(self, computes: bool) -> None:
             """Follow the averaging plan's c_i. A trainer told not to compute becomes an auxiliary
