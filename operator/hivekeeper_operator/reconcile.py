@@ -174,7 +174,7 @@ class SwarmReconciler(Reconciler):
             if child["kind"] in ("StatefulSet", "Job"):
                 observed.workloads[component] = result.live
             if child["metadata"]["name"] == volunteers.gateway_service_name(name) and not plan.volunteer_gateway:
-                host = volunteers.public_hosts(spec.volunteers.model_copy(update={"relays": 1}), [result.live])[0]
+                host = spec.volunteers.public_host or volunteers.ingress_host(result.live)
                 plan.volunteer_gateway = f"{host}:{spec.volunteers.gateway_port}" if host else None
         wanted = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in plan.children}
         for api_version, kind, child in swarm.all_children(name):

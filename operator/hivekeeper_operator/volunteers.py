@@ -90,11 +90,13 @@ def public_hosts(spec: VolunteersSpec, services: list[Optional[dict[str, Any]]])
     """The host each relay announces: the spec's, or its LoadBalancer Service's ingress."""
     if spec.public_host:
         return [spec.public_host] * spec.relays
-    hosts: list[Optional[str]] = []
-    for service in services:
-        ingress = (((service or {}).get("status") or {}).get("loadBalancer") or {}).get("ingress") or []
-        hosts.append(next((i.get("ip") or i.get("hostname") for i in ingress if i.get("ip") or i.get("hostname")), None))
-    return hosts
+    return [ingress_host(service) for service in services]
+
+
+def ingress_host(service: Optional[dict[str, Any]]) -> Optional[str]:
+    """A LoadBalancer Service's address once it has one (IP or hostname), else None."""
+    ingress = (((service or {}).get("status") or {}).get("loadBalancer") or {}).get("ingress") or []
+    return next((i.get("ip") or i.get("hostname") for i in ingress if i.get("ip") or i.get("hostname")), None)
 
 
 def external_services(meta: Callable[..., dict], swarm: str, spec: VolunteersSpec,
