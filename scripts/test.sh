@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 run() {
-  .venv/bin/python -m pytest "$@"
+  .venv/bin/python -m pytest --durations=40 "$@"
   local code=$?
   if [ "$code" -eq 5 ]; then
     echo "error: pytest collected no tests" >&2
