@@ -164,3 +164,31 @@ def test_the_default_group_size_follows_the_failure_probability(tmp_path):
     assert averaging_group_size(spec()) == 16
     assert averaging_group_size(spec(peerFailureProbability=0.1)) == 4
     assert averaging_group_size(spec(peerFailureProbability=0.1, targetGroupSize=8)) == 8
+
+
+def test_a_peer_no_source_can_read_is_planned_from_its_own_report(tmp_path):
+    """A volunteer behind a NAT serves /metrics where the cluster cannot scrape it: its DHT
+    report stands in, and garbage in a report is no measurement."""
+    from hivekeeper.swarm.balancer import with_reported
+
+    scraped = [measurement("trainer-0", "trainer", 300.0, 80.0, 80.0)]
+    reports = [
+        {"peerId": "id-trainer-0", "role": "trainer", "name": "trainer-0", "samplesPerSecond": 1.0},  # scraped wins
+        {"peerId": "id-alice", "role": "trainer", "name": "trainer-alice", "samplesPerSecond": 120.0,
+         "uploadBytesPerSecond": 2 * MB, "downloadBytesPerSecond": 4 * MB, "clientMode": False},
+        {"peerId": "id-bob", "role": "trainer", "name": "trainer-bob", "samplesPerSecond": "fast",
+         "uploadBytesPerSecond": float("nan"), "downloadBytesPerSecond": None, "clientMode": "yes"},
+        {"role": "trainer", "samplesPerSecond": 50.0},  # no identity
+    ]
+    merged = {m.name: m for m in with_reported(scraped, reports)}
+    assert set(merged) == {"trainer-0", "trainer-alice", "trainer-bob"}
+    assert merged["trainer-0"] == scraped[0]
+    assert merged["trainer-alice"].samples_per_second == 120.0 and not merged["trainer-alice"].client_mode
+    assert merged["trainer-alice"].upload_bytes_per_second == 2 * MB
+    bob = merged["trainer-bob"]
+    assert (bob.samples_per_second, bob.upload_bytes_per_second, bob.client_mode) == (0.0, None, False)
+
+    spec = load_manifest(write_manifest(tmp_path)).spec
+    inputs = plan_inputs(spec, list(merged.values()), 10_000)
+    assert {inputs.names[p.name] for p in inputs.problem.peers} == {"trainer-0", "trainer-alice"}
+    assert inputs.waiting == ("trainer-bob",)

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
                 follower.poll()  # an auxiliary never computes, whatever the plan says
                 report = dict(epoch=opt.local_epoch, lastRound=opt.last_round,
                               plan=follower.plan.digest if follower.plan else None,
-                              plannedRounds=follower.planned_rounds)
+                              plannedRounds=follower.planned_rounds, **follower.report())
                 ctx.status.update(report)
                 ctx.publish_report(dht, report)
             time.sleep(0.05)

@@ -36,6 +36,7 @@ from hivekeeper.swarm.metrics_source import (
     PeerMeasurement,
     PrometheusSource,
     ScrapeSource,
+    from_report,
 )
 from hivekeeper.swarm.optimizer import WIRE_BYTES_PER_ELEMENT
 from hivekeeper.swarm.plan_record import PeerAssignment, SignedPlan, load_signing_key, publish_plan
@@ -79,6 +80,13 @@ def plan_inputs(spec: SwarmSpec, measurements: Sequence[PeerMeasurement], num_pa
                                peers=tuple(peers),
                                bytes_per_parameter=WIRE_BYTES_PER_ELEMENT[spec.averaging.compression])
     return PlanInputs(problem=problem, names=names, waiting=tuple(waiting))
+
+
+def with_reported(measured: Sequence[PeerMeasurement], reports: Sequence[dict]) -> list[PeerMeasurement]:
+    """`measured`, plus what the peers it lacks say of themselves in their DHT reports."""
+    seen = {m.peer_id for m in measured}
+    reported = [m for m in map(from_report, reports) if m is not None and m.peer_id not in seen]
+    return [*measured, *sorted(reported, key=lambda m: m.peer_id)]
 
 
 def _capped(measured_bytes: Optional[float], cap_mbps: Optional[float]) -> Optional[float]:
@@ -175,7 +183,8 @@ class Balancer:
         from hivemind.utils import get_dht_time
 
         settings = self.ctx.spec.balancer
-        alive = {r.get("peerId") for r in read_peer_reports(dht, self.ctx.run_id) if r.get("role") in AVERAGING_ROLES}
+        reports = [r for r in read_peer_reports(dht, self.ctx.run_id) if r.get("role") in AVERAGING_ROLES]
+        alive = {r.get("peerId") for r in reports}
         try:
             measurements = source.measure()
         except MetricsSourceError as e:
@@ -183,6 +192,7 @@ class Balancer:
             self.ctx.metrics.plan_input_errors.inc()
             self.ctx.status.update(inputsError=str(e))
             return  # the current plan runs out at its expiry; peers fall back to hivemind's split
+        measurements = with_reported(measurements, reports)
         inputs = plan_inputs(self.ctx.spec, measurements, self.num_parameters, alive)
         if inputs is None:
             self.ctx.status.update(waitingFor="a computing peer with measured samples/s and bandwidth")

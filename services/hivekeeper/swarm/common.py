@@ -65,6 +65,7 @@ class RoleContext:
     stop: threading.Event = field(default_factory=threading.Event)
     endpoint: ServiceEndpoint | None = None
     status: dict[str, Any] = field(default_factory=dict)
+    client_mode: bool = False  # set by make_dht: whether this peer accepts connections
 
     @property
     def spec(self) -> SwarmSpec:
@@ -135,6 +136,7 @@ class RoleContext:
             announce_maddrs = (announce_maddrs or [f"{host_protocol(self.args.host)}/tcp/{self.args.p2p_port}"]) + [
                 f"{host_protocol(host)}/tcp/{port}"]
         client_mode = client_mode or self.args.client_mode
+        self.client_mode = client_mode
         relays = list(self.args.relay)
         if relays:
             from hivekeeper.volunteer.p2pd_flags import use_static_relays
@@ -167,7 +169,7 @@ class RoleContext:
         from hivemind.utils import get_dht_time
 
         record = {"role": self.role, "name": self.peer_name, "time": time.time(), "peerId": str(dht.peer_id),
-                  "metrics": self.metrics_address, **report}
+                  "metrics": self.metrics_address, "clientMode": self.client_mode, **report}
         dht.store(
             self.run_id + PEERS_KEY,
             subkey=str(dht.peer_id),

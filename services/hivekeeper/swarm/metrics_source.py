@@ -13,12 +13,13 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import math
 import urllib.error
 import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -65,6 +66,31 @@ def _measurement(info: Mapping[str, str], gauges: Mapping[str, float]) -> PeerMe
         samples_per_second=gauges.get(SAMPLES_PER_SECOND, 0.0),
         upload_bytes_per_second=_rate(gauges.get(UPLOAD)),
         download_bytes_per_second=_rate(gauges.get(DOWNLOAD)),
+    )
+
+
+def from_report(report: Mapping[str, Any]) -> PeerMeasurement | None:
+    """A peer's measurement as its own DHT report states it (trainers and auxiliaries put their
+    samples/s and measured rates there), or None if the report lacks an identity. It stands in
+    for a peer no source can read: a volunteer behind a NAT serves /metrics where no one in the
+    cluster can scrape it."""
+    peer_id, role = report.get("peerId"), report.get("role")
+    if not isinstance(peer_id, str) or not isinstance(role, str):
+        return None
+
+    def number(key: str) -> float | None:
+        value = report.get(key)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and math.isfinite(value) else None
+
+    return PeerMeasurement(
+        peer_id=peer_id,
+        name=str(report.get("name", "")),
+        role=role,
+        client_mode=report.get("clientMode") is True,
+        samples_per_second=max(number("samplesPerSecond") or 0.0, 0.0),
+        upload_bytes_per_second=_rate(number("uploadBytesPerSecond")),
+        download_bytes_per_second=_rate(number("downloadBytesPerSecond")),
     )
 
 

@@ -49,6 +49,13 @@ class PlanFollower:
         if moved > 0 and last.seconds > 0:
             self._observe(Rates(moved / last.seconds, moved / last.seconds))
 
+    def report(self) -> dict[str, Optional[float]]:
+        """The measured rates, for the peer's DHT report: the balancer plans a peer it cannot
+        scrape (a volunteer behind a NAT) from what the peer says there."""
+        best = self.bandwidth.rates
+        return {"uploadBytesPerSecond": best.upload if best else None,
+                "downloadBytesPerSecond": best.download if best else None}
+
     def _observe(self, rates: Rates) -> None:
         self.bandwidth.observe(rates)
         best = self.bandwidth.rates

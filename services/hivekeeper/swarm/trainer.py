@@ -204,6 +204,7 @@ def _report(ctx: RoleContext, dht, opt, follower: PlanFollower, step_loss: dict[
         computesGradients=computing,
         plan=follower.plan.digest if follower.plan else None,
         plannedRounds=follower.planned_rounds,
+        **follower.report(),
     )
     ctx.status.update(report)
     ctx.publish_report(dht, report)
