@@ -128,10 +128,11 @@ def test_exact_plan_is_the_best_of_all_role_sets(seed):
     plan = plan_averaging(problem, exact=True)
     assert plan.method == "milp"
     names = [peer.name for peer in problem.peers]
+    forced = [peer.client_mode and peer.samples_per_second > 0 for peer in problem.peers]
     best = max(
         plan_for_roles(problem, dict(zip(names, choice))).steps_per_second
         for choice in itertools.product([False, True], repeat=len(names))
-        if any(choice)
+        if any(choice) and all(c or not f for c, f in zip(choice, forced))
     )
     assert plan.steps_per_second == pytest.approx(best, rel=1e-7)
 
@@ -184,6 +185,26 @@ def test_client_mode_peers_aggregate_nothing(exact):
         assert clients
         assert all(role.aggregation_share == 0 for role in plan.peers if role.name in clients)
         assert sum(role.aggregation_share for role in plan.peers) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_client_mode_peers_with_samples_always_compute(exact):
+    """hivemind cannot make a client-mode peer an auxiliary, so it sends its gradients whatever
+    the plan says: a plan counting it out would report figures of roles nobody follows."""
+    peers = [*uniform_peers("gpu", 4, 20, 100), PeerCapacity("laptop", 1, 5, 5, client_mode=True)]
+    problem = AveragingProblem(target_batch_size=4096, num_parameters=BIG_MODEL, peers=peers)
+    without_laptop = plan_for_roles(problem, {peer.name: peer.name != "laptop" for peer in peers})
+    plan = plan_averaging(problem, exact=exact)
+    assert roles(plan)["laptop"] == (True, 0.0)
+    followed = plan_for_roles(problem, {role.name: role.computes_gradients for role in plan.peers})
+    assert plan.steps_per_second == pytest.approx(followed.steps_per_second)
+    assert plan.steps_per_second < 0.5 * without_laptop.steps_per_second  # the slow link costs, and is reported
+
+    for seed in range(6):
+        problem = random_problem(12 if exact else 24, 500 + seed, clients=0.4)
+        plan = plan_averaging(problem, exact=exact)
+        computes = {role.name: role.computes_gradients for role in plan.peers}
+        assert all(computes[peer.name] for peer in problem.peers if peer.client_mode and peer.samples_per_second > 0)
 
 
 def test_plan_is_never_slower_than_the_baselines():

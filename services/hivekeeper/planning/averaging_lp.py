@@ -43,6 +43,10 @@ closed form (link caps aside). Either way the roles are then fixed and the share
 re-solved, link caps included, to maximize the aggregation rate, so the plan's averaging
 time is the best one for its roles. A lone non-client trainer exchanges nothing; that
 plan is always a candidate, and so are all-reduce's roles (everyone computes).
+A client-mode peer with samples/s computes in every plan (c_i = 1 in the MILP, its
+rounding and the candidates): hivemind cannot make it an auxiliary, so it keeps sending
+its gradients whatever a plan says, and a plan that counted it out would report figures
+of roles nobody follows. Eq. 5 leaves its c_i free: the relaxation stays an upper bound.
 """
 
 from __future__ import annotations
@@ -177,6 +181,7 @@ class _Scaled:
     upload: np.ndarray
     download: np.ndarray
     aggregates: np.ndarray  # bool: accepts connections
+    forced: np.ndarray  # bool: computes in every realizable plan (a client-mode peer with samples)
     links: np.ndarray  # directed caps, inf where none
     unit: float  # vectors (or steps) per second in one model unit
 
@@ -214,6 +219,7 @@ def _scale(problem: AveragingProblem) -> _Scaled:
         upload=upload / unit,
         download=download / unit,
         aggregates=np.array([not peer.client_mode for peer in peers]),
+        forced=np.array([peer.client_mode and peer.samples_per_second > 0 for peer in peers]),
         links=links / unit,
         unit=unit,
     )
@@ -378,13 +384,14 @@ def _better(steps: float, rate: float, than: tuple[float, float]) -> bool:
 
 
 def _local_search(m: _Scaled, roles: np.ndarray) -> np.ndarray:
-    """Flips one peer's role at a time while that raises (steps/s, aggregation rate)."""
-    flips = np.eye(m.n, dtype=bool)
+    """Flips one peer's role at a time while that raises (steps/s, aggregation rate); a
+    forced peer keeps computing."""
+    flips = np.eye(m.n, dtype=bool)[~m.forced]
     steps, rate = _closed_form(m, roles[None])
     current = (float(steps[0]), float(rate[0]))
-    while True:
+    while True:  # some peer accepts connections, so some can flip
         steps, rate = _closed_form(m, roles[None] ^ flips)
-        best = max(range(m.n), key=lambda k: (steps[k], rate[k], -k))
+        best = max(range(len(flips)), key=lambda k: (steps[k], rate[k], -k))
         if not _better(steps[best], rate[best], current):
             return roles
         roles = roles ^ flips[best]
@@ -483,6 +490,7 @@ def _milp_program(m: _Scaled) -> tuple[LinearProgram, _MilpIndex]:
     rows.add_when(ix.r[lj], ix.v, ix.c[li], w[lj])
 
     lower, upper = np.zeros(ix.size), np.full(ix.size, np.inf)
+    lower[ix.c[m.forced]] = 1.0
     upper[ix.c] = upper[ix.digit] = 1.0
     upper[ix.r] = np.where(m.aggregates, w, 0.0)
     upper[ix.total] = r_max
@@ -554,8 +562,8 @@ def plan_averaging(problem: AveragingProblem, exact: bool | None = None) -> Aver
     if not proven:
         candidates += _rounded_roles(m)
     solo_speed = np.where(m.aggregates, m.compute, 0.0)
-    if solo_speed.max() > 0:
-        candidates.append(np.arange(m.n) == int(np.argmax(solo_speed)))  # the lone fastest trainer
+    if solo_speed.max() > 0:  # the fastest non-client trainer, alone but for the forced peers
+        candidates.append((np.arange(m.n) == int(np.argmax(solo_speed))) | m.forced)
     candidates.append(np.ones(m.n, dtype=bool))  # all-reduce's roles: never worse than the baselines
     scored = [_evaluate(m, roles) for roles in candidates]
     best = max(range(len(scored)), key=lambda k: (scored[k][0].steps_per_second, scored[k][0].aggregation_bound, -k))
