@@ -150,9 +150,10 @@ AVERAGING = Dashboard(
               (Target(f"sum by (outcome) (increase(hivekeeper_averaging_rounds_total[$__rate_interval]) * "
                       f"{identity('swarm', role='trainer|auxiliary')})", "{{outcome}}"),)),
         Panel("Group size", (Target(f"hivekeeper_averaging_group_size * {AVERAGING_PEERS}", "{{peer}}"),)),
-        Panel("Bytes sent in all-reduce",
-              (Target(f"rate(hivekeeper_averaging_sent_bytes_total[$__rate_interval]) * {AVERAGING_PEERS}",
-                      "{{peer}}"),), unit="Bps"),
+        Panel("Bytes moved in all-reduce", tuple(
+            Target(f"rate(hivekeeper_averaging_{way}_bytes_total[$__rate_interval]) * {AVERAGING_PEERS}",
+                   f"{{{{peer}}}} {way}") for way in ("sent", "received")), unit="Bps",
+              description="tensor bytes per second each peer sends and receives in rounds (after compression)"),
         Panel("Measured upload", (Target(f"hivekeeper_upload_bytes_per_second * {AVERAGING_PEERS}", "{{peer}}"),),
               unit="Bps", description="probe at join, then what rounds achieve: the planner's input"),
         Panel("Measured download", (Target(f"hivekeeper_download_bytes_per_second * {AVERAGING_PEERS}", "{{peer}}"),),
@@ -249,6 +250,12 @@ EXPERT_POOL = Dashboard(
         Panel("Expert requests/s by outcome",
               (Target(f"sum by (outcome) (rate(hivekeeper_dmoe_expert_requests_total[$__rate_interval]) * "
                       f"{EXPERT_TRAINERS})", "{{outcome}}"),), source="experts"),
+        Panel("Expert request latency (replies)", tuple(
+            Target(f'histogram_quantile({q}, sum by (le, call) (rate(hivekeeper_dmoe_expert_request_seconds_bucket'
+                   f'{{outcome="ok"}}[$__rate_interval]) * {EXPERT_TRAINERS}))', f"{{{{call}}}} p{int(q * 100)}")
+            for q in (0.5, 0.9)), unit="s", source="experts",
+            description="from a trainer's request to an expert's reply (network, queue and compute), "
+                        "by call: forward, backward"),
         Panel("Batches dropped (fewer than kMin replies)",
               (Target(f"sum(increase(hivekeeper_dmoe_failed_batches_total[$__rate_interval]) * {EXPERT_TRAINERS})",
                       "dropped"),), source="experts"),

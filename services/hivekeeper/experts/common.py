@@ -12,6 +12,9 @@ from hivekeeper.spec.expertpool import ExpertPoolSpec
 from hivekeeper.swarm.common import RoleContext, install_signal_handlers
 
 BEAM_SEARCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+# cancelled: the layer stopped waiting (its examples had kMin replies, or the timeout passed)
+REQUEST_OUTCOMES = ("ok", "error", "cancelled")
+REQUEST_BUCKETS = BEAM_SEARCH_BUCKETS + (10, 30)  # an expert request may wait out its layer's timeout
 
 
 class ExpertMetrics:
@@ -41,6 +44,13 @@ class ExpertMetrics:
                                     ["outcome"], registry=r)
         for outcome in ("ok", "failed"):
             self.expert_calls.labels(outcome)
+        self.expert_request_seconds = Histogram(
+            "hivekeeper_dmoe_expert_request_seconds", "Time from sending a request to an expert to its end, by "
+            "call (forward, backward) and outcome (ok, error, cancelled)", ["call", "outcome"],
+            buckets=REQUEST_BUCKETS, registry=r)
+        for call in ("forward", "backward"):
+            for outcome in REQUEST_OUTCOMES:
+                self.expert_request_seconds.labels(call, outcome)
         self.beam_search = Histogram("hivekeeper_dmoe_beam_search_seconds",
                                      "Time to select a batch's top-k experts through the DHT",
                                      buckets=BEAM_SEARCH_BUCKETS, registry=r)

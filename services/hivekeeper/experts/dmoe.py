@@ -36,6 +36,7 @@ from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.moe.expert_uid import ExpertInfo
 from hivemind.p2p import P2P
 from hivemind.proto.runtime_pb2 import CompressionType
+from prometheus_client import Histogram
 from torch import nn
 from torch.autograd.function import once_differentiable
 
@@ -69,9 +70,11 @@ class ExpertClient:
     `delay_mean` adds an exponentially distributed delay to every request (Learning@home 4.1
     emulates network latency this way)."""
 
-    def __init__(self, dht: DHT, delay_mean: float = 0.0, seed: int | None = None):
+    def __init__(self, dht: DHT, delay_mean: float = 0.0, seed: int | None = None,
+                 request_seconds: Histogram | None = None):
         self.dht = dht
         self.delay_mean = delay_mean
+        self.request_seconds = request_seconds  # ExpertMetrics' histogram by call and outcome, in a role
         self._rng = random.Random(seed)
         self.p2p: P2P = RemoteExpertWorker.run_coroutine(dht.replicate_p2p())
         self.stats = CallStats()
@@ -84,12 +87,23 @@ class ExpertClient:
 
     async def _call(self, expert: ExpertInfo, tensors: list[torch.Tensor], backward: bool,
                     delay: float) -> list[torch.Tensor]:
-        if delay:
-            await asyncio.sleep(delay)
-        stub = get_server_stub(self.p2p, expert.peer_id)
-        serialized = [serialize_torch_tensor(t, CompressionType.NONE) for t in tensors]
-        send = expert_backward if backward else expert_forward
-        return await send(expert.uid, tensors, serialized, stub)
+        started, outcome = time.perf_counter(), "error"
+        try:
+            if delay:
+                await asyncio.sleep(delay)
+            stub = get_server_stub(self.p2p, expert.peer_id)
+            serialized = [serialize_torch_tensor(t, CompressionType.NONE) for t in tensors]
+            send = expert_backward if backward else expert_forward
+            outputs = await send(expert.uid, tensors, serialized, stub)
+            outcome = "ok"
+            return outputs
+        except asyncio.CancelledError:  # `_wait` cancels what it no longer waits for
+            outcome = "cancelled"
+            raise
+        finally:
+            if self.request_seconds is not None:
+                self.request_seconds.labels("backward" if backward else "forward", outcome).observe(
+                    time.perf_counter() - started)
 
     def find_best_experts(self, uid_prefix: str, grid_scores: list[torch.Tensor], k: int) -> list[list[ExpertInfo]]:
         """Each example's top-k announced experts by beam search over DHT prefixes (`beam.py`)."""

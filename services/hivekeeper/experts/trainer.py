@@ -64,7 +64,7 @@ class ExpertTrainer:
         torch.set_num_threads(1)  # batches in flight are threads; the servers need the cores too
         ctx.start_endpoint()
         self.dht = ctx.make_dht(client_mode=True)  # it only calls out: servers and the DHT
-        self.client = ExpertClient(self.dht)
+        self.client = ExpertClient(self.dht, request_seconds=ctx.metrics.expert_request_seconds)
         self.model = DMoEClassifier(spec, self.client)
         self.optimizer = torch_optimizer_factory(spec.trainers.optimizer)(self.model.parameters())
         self.batches = index_stream(self.task.train_size, spec.trainers.batch_size,
