@@ -1,0 +1,177 @@
+"""One pass of the balancer (`Balancer.step`) against a stand-in DHT and metrics source: when
+it publishes a new plan, when it only renews the one peers follow, and what it does when its
+inputs cannot be read. The published record is checked as peers check it (`verify_plan`)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import hivemind.utils
+import pytest
+
+from hivekeeper.local.identity import ensure_identity
+from hivekeeper.planning.averaging_lp import throughput_of
+from hivekeeper.spec import load_manifest
+from hivekeeper.swarm.balancer import Balancer
+from hivekeeper.swarm.common import PEERS_KEY, RoleContext
+from hivekeeper.swarm.metrics_source import MetricsSourceError, PeerMeasurement
+from hivekeeper.swarm.plan_record import SignedPlan, plan_key, verify_plan
+
+from conftest import write_manifest
+
+MB = 1e6 / 8  # bytes/s in one Mbit/s
+TTL = 60.0
+FAST, SLOW = 1.0, 0.2  # Mbit/s: for the task's small model, averaging (not compute) bounds the steps
+
+
+class FakeDHT:
+    """What the balancer uses of a DHT: peer reports under the swarm's peers key, and the plan
+    record it stores (with its expiry)."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self.reports: dict[str, dict] = {}
+        self.stored: dict[str, tuple[Any, float]] = {}
+
+    def get(self, key: str, latest: bool = False):
+        if key == self.run_id + PEERS_KEY:
+            return SimpleNamespace(value={k: SimpleNamespace(value=r) for k, r in self.reports.items()})
+        if key in self.stored:
+            return SimpleNamespace(value=self.stored[key][0])
+        return None
+
+    def store(self, key: str, value: Any, expiration_time: float, return_future: bool = False) -> None:
+        self.stored[key] = (value, expiration_time)
+
+
+@dataclass
+class FakeSource:
+    peers: dict[str, PeerMeasurement] = field(default_factory=dict)
+    error: Optional[str] = None
+
+    def measure(self) -> list[PeerMeasurement]:
+        if self.error:
+            raise MetricsSourceError(self.error)
+        return list(self.peers.values())
+
+
+@dataclass
+class Swarm:
+    balancer: Balancer
+    dht: FakeDHT
+    source: FakeSource
+    signer: str
+    clock: list[float]
+
+    def join(self, name: str, samples: float, mbps: float) -> None:
+        peer_id = f"id-{name}"
+        self.dht.reports[peer_id] = {"peerId": peer_id, "role": "trainer", "name": name}
+        self.source.peers[name] = PeerMeasurement(
+            peer_id=peer_id, name=name, role="trainer", client_mode=False, samples_per_second=samples,
+            upload_bytes_per_second=mbps * MB, download_bytes_per_second=mbps * MB)
+
+    def change(self, name: str, **fields: float) -> None:
+        self.source.peers[name] = replace(self.source.peers[name], **fields)
+
+    def step(self, seconds_later: float = 10.0) -> SignedPlan:
+        """One balancer pass `seconds_later` than the last; the plan as a peer reads it then."""
+        self.clock[0] += seconds_later
+        self.balancer.step(self.dht, self.source)
+        return self.published()
+
+    def published(self) -> SignedPlan:
+        record, expires = self.dht.stored[plan_key(self.dht.run_id)]
+        plan = verify_plan(record, signer=self.signer, swarm=self.dht.run_id, now=self.clock[0])
+        assert expires == plan.expires  # the DHT drops the record when the plan runs out
+        return plan
+
+    def counter(self, name: str) -> float:
+        return self.balancer.ctx.metrics.registry.get_sample_value(name) or 0.0
+
+
+@pytest.fixture
+def swarm(tmp_path, monkeypatch) -> Swarm:
+    clock = [1000.0]
+    monkeypatch.setattr(hivemind.utils, "get_dht_time", lambda: clock[0])
+    identity = tmp_path / "balancer.key"
+    signer = ensure_identity(identity)
+    manifest = load_manifest(write_manifest(tmp_path, {"spec": {
+        "targetBatchSize": 256, "balancer": {"planTtlSeconds": TTL, "drift": 0.25}}}))
+    ctx = RoleContext(role="balancer", args=argparse.Namespace(identity=str(identity), index=0), manifest=manifest)
+    balancer = Balancer(ctx)
+    dht = FakeDHT(ctx.run_id)
+    return Swarm(balancer, dht, FakeSource(), signer, clock)
+
+
+def test_the_first_plan_is_signed_published_and_exported(swarm):
+    swarm.join("trainer-0", 50.0, FAST)
+    swarm.join("trainer-1", 50.0, FAST)
+    plan = swarm.step()
+    assert {p.name for p in plan.peers} == {"trainer-0", "trainer-1"}
+    assert plan.expires == swarm.clock[0] + TTL and sum(plan.shares().values()) == pytest.approx(1.0)
+    assert swarm.counter("hivekeeper_plans_total") == 1
+    assert swarm.counter("hivekeeper_plan_steps_per_second") == pytest.approx(plan.steps_per_second)
+    assert swarm.balancer.ctx.status["plan"]["digest"] == plan.digest
+
+
+def test_a_renewal_keeps_the_shares_with_a_fresh_expiry(swarm):
+    swarm.join("trainer-0", 50.0, FAST)
+    swarm.join("trainer-1", 50.0, SLOW)
+    first = swarm.step()
+    swarm.change("trainer-0", samples_per_second=55.0)  # noise, under the drift threshold
+    renewed = swarm.step(seconds_later=30.0)
+    assert (renewed.digest, renewed.shares()) == (first.digest, first.shares())
+    assert renewed.expires == first.expires + 30.0
+    assert swarm.counter("hivekeeper_plans_total") == 1
+
+
+def test_a_peer_joining_or_leaving_gets_a_new_plan(swarm):
+    swarm.join("trainer-0", 50.0, FAST)
+    swarm.join("trainer-1", 50.0, FAST)
+    first = swarm.step()
+    swarm.join("trainer-2", 50.0, FAST)
+    second = swarm.step()
+    assert second.digest != first.digest and "id-trainer-2" in second.shares()
+    del swarm.dht.reports["id-trainer-1"]  # its DHT record expired; its metrics may linger
+    third = swarm.step()
+    assert set(third.shares()) == {"id-trainer-0", "id-trainer-2"}
+    assert swarm.counter("hivekeeper_plans_total") == 3
+
+
+def test_drifted_inputs_replace_the_plan_only_when_a_new_one_is_clearly_better(swarm):
+    # alone, either trainer makes 80/256 steps/s; together they make more, as fast as they average
+    swarm.join("trainer-0", 80.0, FAST)
+    swarm.join("trainer-1", 80.0, FAST)
+    first = swarm.step()
+    assert all(p.computes_gradients for p in first.peers)
+    # a trainer's speed drifts by more than 25 %, but averaging still bounds the steps: the plan
+    # peers follow is as good as a new one would be, so it is only renewed
+    swarm.change("trainer-0", samples_per_second=55.0)
+    kept = swarm.step()
+    assert kept.digest == first.digest and swarm.counter("hivekeeper_plans_total") == 1
+    # trainer-0's link slows to a fifth: the faster trainer alone now beats the pair by far
+    swarm.change("trainer-0", upload_bytes_per_second=SLOW * MB, download_bytes_per_second=SLOW * MB)
+    replaced = swarm.step()
+    assert replaced.digest != first.digest and swarm.counter("hivekeeper_plans_total") == 2
+    assert not replaced.assignment("id-trainer-0").computes_gradients
+    old_now = throughput_of(swarm.balancer.inputs.problem, {p.peer_id: p.computes_gradients for p in first.peers},
+                            first.shares())
+    assert replaced.steps_per_second > 1.25 * old_now.steps_per_second
+
+
+def test_unreadable_inputs_leave_the_plan_to_expire(swarm):
+    swarm.join("trainer-0", 50.0, FAST)
+    swarm.join("trainer-1", 50.0, SLOW)
+    first = swarm.step()
+    swarm.source.error = "prometheus: connection refused"
+    swarm.clock[0] += 10.0
+    swarm.balancer.step(swarm.dht, swarm.source)
+    swarm.balancer.step(swarm.dht, swarm.source)
+    assert swarm.published() == first  # not renewed: peers drop it at its expiry
+    assert swarm.counter("hivekeeper_plan_input_errors_total") == 2
+    assert swarm.balancer.ctx.status["inputsError"] == "prometheus: connection refused"
+    swarm.source.error = None
+    assert swarm.step().expires == swarm.clock[0] + TTL  # readable again: renewed
