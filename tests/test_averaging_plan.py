@@ -152,6 +152,25 @@ def test_link_caps_that_never_bind_change_nothing():
     assert plan_averaging(loose).steps_per_second == pytest.approx(plan_averaging(problem).steps_per_second)
 
 
+def test_bottleneck_links_get_no_sliver_of_the_vector():
+    """Slow computing peers already load their links with their own vector: a split handing them
+    what their links have left (the few percent by which their measured rates differ) would fill
+    them to the brim for the same predicted rate. The levelled split leaves them out."""
+    peers = [*uniform_peers("fast", 4, 16, 40), *(PeerCapacity(f"slow-{k}", 16, mbps, mbps)
+                                                  for k, mbps in enumerate((6.1, 6.4, 7.0, 7.2)))]
+    problem = AveragingProblem(target_batch_size=1024, num_parameters=2_000_000, peers=peers)
+    everyone = {peer.name: True for peer in peers}
+    plan = plan_for_roles(problem, everyone)
+    shares = {name: share for name, (_, share) in roles(plan).items()}
+    assert all(shares[f"slow-{k}"] == 0 for k in range(4))
+    assert all(shares[f"fast-{k}"] == pytest.approx(0.25) for k in range(4))
+    # the same rate as the shares LP (loose link caps take that path), bound by the slowest link
+    loose = AveragingProblem(target_batch_size=1024, num_parameters=2_000_000, peers=peers,
+                             links={"fast-0": {"fast-1": 1e6}})
+    assert plan.aggregation_bound == pytest.approx(plan_for_roles(loose, everyone).aggregation_bound, rel=1e-9)
+    assert plan.averaging_seconds == pytest.approx(2_000_000 * 32 / 6.1e6)
+
+
 def test_rounding_stays_close_to_the_exact_plan():
     gaps = []
     for n, seed in itertools.product((8, 11, 14), range(4)):

@@ -41,7 +41,8 @@ exactly with O(n log n) variables. It is solved exactly up to `EXACT_MAX_PEERS` 
 above that, its LP relaxation is rounded and improved by single-peer flips ranked by the
 closed form (link caps aside). Either way the roles are then fixed and the shares
 re-solved, link caps included, to maximize the aggregation rate, so the plan's averaging
-time is the best one for its roles. A lone non-client trainer exchanges nothing; that
+time is the best one for its roles; without link caps, among the splits reaching that rate,
+the one that levels the links' load (`_levelled_rates`), so bottleneck links get no sliver. A lone non-client trainer exchanges nothing; that
 plan is always a candidate, and so are all-reduce's roles (everyone computes).
 A client-mode peer with samples/s computes in every plan (c_i = 1 in the MILP, its
 rounding and the candidates): hivemind cannot make it an auxiliary, so it keeps sending
@@ -398,13 +399,34 @@ def _local_search(m: _Scaled, roles: np.ndarray) -> np.ndarray:
         current = (float(steps[best]), float(rate[best]))
 
 
-def _headroom_rates(m: _Scaled, roles: np.ndarray, rate: float) -> np.ndarray:
-    """Aggregator rates summing to `rate` (the link-free optimum for these roles), each
-    the same fraction of what its traffic row allows at that rate."""
+def _levelled_rates(m: _Scaled, roles: np.ndarray, rate: float) -> np.ndarray:
+    """Aggregator rates summing to `rate` (the link-free optimum for these roles) that level the
+    load of the links they add to (water-filling): every aggregator ends at the same share
+    s of its capacity, and a peer whose own traffic already loads its link beyond s aggregates
+    nothing. Peer i's traffic is base_i + coef_i r_i: R + (K - 2) r_i if it computes, K r_i if
+    not. Any split summing to the optimum predicts the same time, but one that hands a
+    bottleneck peer the sliver its link has left (proportional splits do) fills that link to
+    the brim and makes it a part round-trip everyone waits for; levelled, slow links keep their
+    slack. With K <= 2 computing peers carry R whatever they aggregate: the split is by capacity."""
     w, k = m.capacity, roles.sum()
-    computing = np.maximum(w - rate, 0.0) / (k - 2) if k > 2 else w  # with K <= 2, r_i costs i nothing
-    headroom = np.where(m.aggregates, np.where(roles, computing, w / k), 0.0)
-    return headroom * (rate / headroom.sum())
+    if k <= 2:
+        weights = np.where(m.aggregates, np.where(roles, w, w / k), 0.0)
+        return weights * (rate / weights.sum())
+    base = np.where(roles, rate, 0.0)
+    coef = np.where(roles, k - 2.0, float(k))
+    usable = m.aggregates & (w > 0)
+    order = np.flatnonzero(usable)[np.argsort(base[usable] / w[usable], kind="stable")]
+    # sum over active i of (s w_i - base_i) / coef_i = rate, active: those with base_i / w_i < s
+    slope = offset = 0.0
+    level = np.inf
+    for position, i in enumerate(order):
+        slope += w[i] / coef[i]
+        offset += base[i] / coef[i]
+        level = (rate + offset) / slope
+        following = order[position + 1] if position + 1 < order.size else None
+        if following is None or level <= base[following] / w[following]:
+            break
+    return np.where(usable, np.maximum(level * w - base, 0.0) / coef, 0.0)
 
 
 def _share_rates(m: _Scaled, roles: np.ndarray) -> np.ndarray:
@@ -414,7 +436,7 @@ def _share_rates(m: _Scaled, roles: np.ndarray) -> np.ndarray:
     if roles.sum() == 1 and m.aggregates[roles].all():
         return np.where(roles, np.inf, 0.0)
     if not np.isfinite(m.links).any():
-        return _headroom_rates(m, roles, float(_closed_form(m, roles[None])[1][0]))
+        return _levelled_rates(m, roles, float(_closed_form(m, roles[None])[1][0]))
     traffic = np.outer(c, np.ones(n)) * (1 - np.eye(n)) + np.diag(c.sum() - c)
     i, j = _pairs(n)
     caps = m.pair_caps[i, j]
