@@ -42,8 +42,9 @@ above that, its LP relaxation is rounded and improved by single-peer flips ranke
 closed form (link caps aside). Either way the roles are then fixed and the shares
 re-solved, link caps included, to maximize the aggregation rate, so the plan's averaging
 time is the best one for its roles; without link caps, among the splits reaching that rate,
-the one that levels the links' load (`_levelled_rates`), so bottleneck links get no sliver. A lone non-client trainer exchanges nothing; that
-plan is always a candidate, and so are all-reduce's roles (everyone computes).
+the one that levels the links' load (`_levelled_rates`), so bottleneck links get no
+sliver. A lone non-client trainer exchanges nothing; that plan is always a candidate, and
+so are all-reduce's roles (everyone computes).
 A client-mode peer with samples/s computes in every plan (c_i = 1 in the MILP, its
 rounding and the candidates): hivemind cannot make it an auxiliary, so it keeps sending
 its gradients whatever a plan says, and a plan that counted it out would report figures
