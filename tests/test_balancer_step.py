@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -62,7 +63,7 @@ class FakeSource:
 class Swarm:
     balancer: Balancer
     dht: FakeDHT
-    source: FakeSource
+    source: Any  # a MetricsSource; FakeSource where the test sets measurements
     signer: str
     clock: list[float]
 
@@ -92,18 +93,21 @@ class Swarm:
         return self.balancer.ctx.metrics.registry.get_sample_value(name) or 0.0
 
 
-@pytest.fixture
-def swarm(tmp_path, monkeypatch) -> Swarm:
+def make_swarm(directory: Path, monkeypatch: pytest.MonkeyPatch, source: Any = None) -> Swarm:
+    """A balancer of the digits swarm, on a stand-in DHT and a clock the test moves."""
     clock = [1000.0]
     monkeypatch.setattr(hivemind.utils, "get_dht_time", lambda: clock[0])
-    identity = tmp_path / "balancer.key"
+    identity = directory / "balancer.key"
     signer = ensure_identity(identity)
-    manifest = load_manifest(write_manifest(tmp_path, {"spec": {
+    manifest = load_manifest(write_manifest(directory, {"spec": {
         "targetBatchSize": 256, "balancer": {"planTtlSeconds": TTL, "drift": 0.25}}}))
     ctx = RoleContext(role="balancer", args=argparse.Namespace(identity=str(identity), index=0), manifest=manifest)
-    balancer = Balancer(ctx)
-    dht = FakeDHT(ctx.run_id)
-    return Swarm(balancer, dht, FakeSource(), signer, clock)
+    return Swarm(Balancer(ctx), FakeDHT(ctx.run_id), source or FakeSource(), signer, clock)
+
+
+@pytest.fixture
+def swarm(tmp_path, monkeypatch) -> Swarm:
+    return make_swarm(tmp_path, monkeypatch)
 
 
 def test_the_first_plan_is_signed_published_and_exported(swarm):

@@ -124,20 +124,24 @@ def wait_for(condition, deadline: float, what: str, log: Path):
     pytest.fail(f"timed out waiting for {what}; prometheus log:\n{log.read_text()[-3000:]}")
 
 
-@pytest.mark.skipif(shutil.which("prometheus") is None, reason="the prometheus binary is not installed")
-def test_prometheus_source_agrees_with_scraping(targets, tmp_path):
+@pytest.fixture(scope="module")
+def prometheus(targets, tmp_path_factory) -> Iterator[str]:
+    """The URL of a real Prometheus server that has scraped every service target."""
+    if shutil.which("prometheus") is None:
+        pytest.skip("the prometheus binary is not installed")
+    directory = tmp_path_factory.mktemp("prometheus")
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
         "scrape_configs": [
             {"job_name": "swarm", "static_configs": [{"targets": targets["services"] + targets["bad"]}]}
         ],
     }
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
     url = f"http://127.0.0.1:{free_port()}"
-    log = tmp_path / "prometheus.log"
+    log = directory / "prometheus.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+            ["prometheus", f"--config.file={directory / 'prometheus.yml'}", f"--storage.tsdb.path={directory / 'data'}",
              f"--web.listen-address={url.removeprefix('http://')}"],
             stdout=out, stderr=subprocess.STDOUT,
         )
@@ -152,8 +156,7 @@ def test_prometheus_source_agrees_with_scraping(targets, tmp_path):
         wait_for(ready, deadline, "/-/ready", log)
         source = PrometheusSource(url, SWARM)
         wait_for(lambda: len(source.measure()) == len(EXPECTED), deadline, "every target scraped", log)
-        assert source.measure() == ScrapeSource(SWARM, targets["services"] + targets["bad"]).measure() == EXPECTED
-        assert PrometheusSource(url, SWARM, namespace="elsewhere").measure() == []
+        yield url
     finally:
         process.terminate()
         try:
@@ -161,6 +164,30 @@ def test_prometheus_source_agrees_with_scraping(targets, tmp_path):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def test_prometheus_source_agrees_with_scraping(targets, prometheus):
+    source = PrometheusSource(prometheus, SWARM)
+    assert source.measure() == ScrapeSource(SWARM, targets["services"] + targets["bad"]).measure() == EXPECTED
+    assert PrometheusSource(prometheus, SWARM, namespace="elsewhere").measure() == []
+
+
+def test_the_balancer_plans_alike_from_prometheus_and_from_scraping(targets, prometheus, tmp_path, monkeypatch):
+    """A balancer pass through either source publishes the same signed plan."""
+    from test_balancer_step import make_swarm
+
+    plans = {}
+    for name, source in {"prometheus": PrometheusSource(prometheus, SWARM),
+                         "scrape": ScrapeSource(SWARM, targets["services"] + targets["bad"])}.items():
+        (tmp_path / name).mkdir()
+        swarm = make_swarm(tmp_path / name, monkeypatch, source)
+        for m in EXPECTED:  # alive: their DHT records are there
+            swarm.dht.reports[m.peer_id] = {"peerId": m.peer_id, "role": m.role, "name": m.name}
+        plan = swarm.step()
+        plans[name] = (plan.digest, plan.peers, plan.steps_per_second, plan.averaging_seconds)
+    assert plans["prometheus"] == plans["scrape"]
+    # trainer-1 waits (its download is not measured yet); the monitor does not average
+    assert {peer.name for peer in plans["scrape"][1]} == {"trainer-0", "auxiliary-0"}
 
 
 def test_prometheus_source_raises_when_prometheus_cannot_answer(targets):
