@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -46,6 +47,10 @@ def main() -> None:
 
     import hivemind
     from hivekeeper.swarm.bandwidth import probe, serve_probes
+
+    # the reasons hivemind gives for a part that never arrived are DEBUG lines; the rest stays quiet
+    for name in ("hivemind.averaging.allreduce", "hivemind.p2p.p2p_daemon"):
+        logging.getLogger(name).setLevel(logging.DEBUG)
     from hivekeeper.swarm.planned_averaging import PlannedAverager
 
     u = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
