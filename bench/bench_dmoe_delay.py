@@ -1,5 +1,6 @@
 """DMoE throughput under network delay, against a model-parallel pipeline over the same blocks,
-and the latency of beam search through the DHT for a few grid sizes.
+and the latency of beam search through the DHT for a few grid sizes (against the number of DHT
+peers: bench_beam_search.py).
 
 Anchor: Learning@home, Figure 4 (top): with an exponential delay per request of mean 0 to 200 ms,
 asynchronous DMoE training keeps nearly the same throughput while model-parallel training
@@ -39,6 +40,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from bench_beam_search import declare_grid, shutdown, start_dht_swarm
 from bench_results import write_results
 from hivekeeper.local.network import free_port
 
@@ -182,28 +184,19 @@ def beam_search_latency(grids: list[list[int]], announcers: int, batch: int, k: 
     """Announcer peers declare every expert of the grid; a fresh client peer then selects each
     example's top-k: the first search fills its DHT cache (cold), the next ones use it (warm)."""
     import hivemind
-    from hivemind.moe import declare_experts
     from hivemind.moe.client.beam_search import MoEBeamSearcher
-    from hivemind.utils import get_dht_time
 
     from hivekeeper.experts.dmoe import ExpertClient
     from hivekeeper.experts.grid import grid_uids
 
     rows = []
     for dims in grids:
-        root = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        maddrs = [str(a) for a in root.get_visible_maddrs()]
-        peers = [root] + [hivemind.DHT(start=True, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-                          for _ in range(announcers - 1)]
+        peers = start_dht_swarm(announcers)
+        maddrs = [str(a) for a in peers[0].get_visible_maddrs()]
         client_dht = None
         try:
             uids = grid_uids(f"g{len(rows)}", dims)
-            started = time.perf_counter()
-            for i, peer in enumerate(peers):
-                mine = uids[i::len(peers)]
-                for start in range(0, len(mine), 100):  # hivemind's DHT drops requests over 16 KiB
-                    declare_experts(peer, mine[start:start + 100], expiration_time=get_dht_time() + 600)
-            declare_seconds = time.perf_counter() - started
+            declare_seconds = declare_grid(peers, uids)
             client_dht = hivemind.DHT(start=True, initial_peers=maddrs, client_mode=True)
             client = ExpertClient(client_dht)
             gen = torch.Generator().manual_seed(0)
@@ -235,8 +228,7 @@ def beam_search_latency(grids: list[list[int]], announcers: int, batch: int, k: 
         finally:
             if client_dht is not None:
                 client_dht.shutdown()
-            for peer in peers:
-                peer.shutdown()
+            shutdown(peers)
     return rows
 
 
