@@ -161,64 +161,114 @@ def test_every_example_validates_against_its_crd_and_the_model(path):
 
 
 SWARM = load(EXAMPLES / "swarm-digits.yaml")
+BASES = {"Swarm": SWARM, "BlockServer": load(EXAMPLES / "blockserver.yaml"),
+         "ExpertPool": load(EXAMPLES / "expertpool.yaml")}
 
 # Rejected by the CRD schema (so by `kubectl apply`) and by the spec model (so by `hivekeeper validate`).
-BAD_SWARMS = {
-    "unknown spec field": {"spec": {"trainer": {"replicas": 2}}},
-    "unknown nested field": {"spec": {"trainers": {"gpus": 1}}},
-    "replicas as text": {"spec": {"trainers": {"replicas": "three"}}},
-    "negative replicas": {"spec": {"trainers": {"replicas": -1}}},
-    "no backbone": {"spec": {"backbone": {"replicas": 0}}},
-    "zero learning rate": {"spec": {"optimizer": {"learningRate": 0}}},
-    "momentum of one": {"spec": {"optimizer": {"momentum": 1.0}}},
-    "unknown optimizer": {"spec": {"optimizer": {"name": "lamb"}}},
-    "unknown compression": {"spec": {"averaging": {"compression": "gzip"}}},
-    "three betas": {"spec": {"optimizer": {"betas": [0.9, 0.99, 0.999]}}},
-    "beta of one": {"spec": {"optimizer": {"betas": [0.9, 1.0]}}},
-    "group of one": {"spec": {"averaging": {"targetGroupSize": 1}}},
-    "zero timeout": {"spec": {"averaging": {"timeoutSeconds": 0}}},
-    "boolean as text": {"spec": {"trainers": {"clientMode": "yes"}}},
-    # null is pruned by the apiserver, and then the required value is missing
-    "metric without value": {"spec": {"stopping": {"targetMetric": {"name": "accuracy", "value": None}}}},
-    "unknown metric mode": {"spec": {"stopping": {"targetMetric": {"name": "loss", "value": 0.1, "mode": "avg"}}}},
-    "gpu count as text": {"spec": {"trainers": {"resources": {"gpu": "one"}}}},
-    "cpu as a number": {"spec": {"trainers": {"resources": {"cpu": 2}}}},
-    "negative seed": {"spec": {"task": {"seed": -1}}},
-    "upper-case name": {"metadata": {"name": "Digits"}},
-    "name too long": {"metadata": {"name": "d" * 41}},
-    "no spec": None,
+BAD = {
+    "Swarm": {
+        "unknown spec field": {"spec": {"trainer": {"replicas": 2}}},
+        "unknown nested field": {"spec": {"trainers": {"gpus": 1}}},
+        "replicas as text": {"spec": {"trainers": {"replicas": "three"}}},
+        "negative replicas": {"spec": {"trainers": {"replicas": -1}}},
+        "no backbone": {"spec": {"backbone": {"replicas": 0}}},
+        "zero learning rate": {"spec": {"optimizer": {"learningRate": 0}}},
+        "momentum of one": {"spec": {"optimizer": {"momentum": 1.0}}},
+        "unknown optimizer": {"spec": {"optimizer": {"name": "lamb"}}},
+        "unknown compression": {"spec": {"averaging": {"compression": "gzip"}}},
+        "three betas": {"spec": {"optimizer": {"betas": [0.9, 0.99, 0.999]}}},
+        "beta of one": {"spec": {"optimizer": {"betas": [0.9, 1.0]}}},
+        "group of one": {"spec": {"averaging": {"targetGroupSize": 1}}},
+        "zero timeout": {"spec": {"averaging": {"timeoutSeconds": 0}}},
+        "boolean as text": {"spec": {"trainers": {"clientMode": "yes"}}},
+        # null is pruned by the apiserver, and then the required value is missing
+        "metric without value": {"spec": {"stopping": {"targetMetric": {"name": "accuracy", "value": None}}}},
+        "unknown metric mode": {"spec": {"stopping": {"targetMetric": {"name": "loss", "value": 0.1, "mode": "avg"}}}},
+        "gpu count as text": {"spec": {"trainers": {"resources": {"gpu": "one"}}}},
+        "cpu as a number": {"spec": {"trainers": {"resources": {"cpu": 2}}}},
+        "negative seed": {"spec": {"task": {"seed": -1}}},
+        "upper-case name": {"metadata": {"name": "Digits"}},
+        "name too long": {"metadata": {"name": "d" * 41}},
+        "no spec": None,
+    },
+    "BlockServer": {
+        "unknown spec field": {"spec": {"server": {"replicas": 2}}},
+        "unknown architecture": {"spec": {"model": {"tiny": {"architecture": "mamba"}}}},
+        "vocabulary of one": {"spec": {"model": {"tiny": {"vocabSize": 1}}}},
+        "negative servers": {"spec": {"servers": {"replicas": -1}}},
+        "span of zero blocks": {"spec": {"servers": {"spanLength": 0}}},
+        "unknown device": {"spec": {"servers": {"device": "tpu"}}},
+        "unknown weight format": {"spec": {"servers": {"weights": "int4"}}},
+        "unknown compression": {"spec": {"compression": "gzip"}},
+        "empty prompt": {"spec": {"client": {"prompt": ""}}},
+        "boolean as text": {"spec": {"client": {"doSample": "yes"}}},
+        "zero temperature": {"spec": {"client": {"temperature": 0}}},
+    },
+    "ExpertPool": {
+        "unknown spec field": {"spec": {"experts": {"replicas": 2}}},
+        "dot in the uid prefix": {"spec": {"grid": {"uidPrefix": "ex.pert"}}},
+        "five grid dimensions": {"spec": {"grid": {"dimensions": [2, 2, 2, 2, 2]}}},
+        "grid dimension of zero": {"spec": {"grid": {"dimensions": [4, 0]}}},
+        "unknown expert type": {"spec": {"expert": {"type": "mixer"}}},
+        "no servers": {"spec": {"servers": {"replicas": 0}}},
+        "no batches in flight": {"spec": {"trainers": {"batchesInFlight": 0}}},
+        "zero forward timeout": {"spec": {"trainers": {"dmoe": {"forwardTimeoutSeconds": 0}}}},
+        "claim size in words": {"spec": {"checkpoint": {"volumeClaim": {"size": "lots"}}}},
+        "read-only claim": {"spec": {"checkpoint": {"volumeClaim": {"accessMode": "ReadOnlyMany"}}}},
+        "unknown claim field": {"spec": {"checkpoint": {"volumeClaim": {"storageClass": "nfs"}}}},
+        "claim name not a Kubernetes name": {"spec": {"checkpoint": {"existingClaim": "Lab_NFS"}}},
+    },
 }
 
 # Rules across fields, and each task's own options: the schema cannot say these. `kubectl apply`
 # accepts them; the operator rejects them with the same message and reports phase Invalid.
 MODEL_ONLY = {
-    "batch larger than the global batch": {"spec": {"trainers": {"batchSize": 512}}},
-    "group larger than the averaging peers": {"spec": {"averaging": {"targetGroupSize": 9}}},
-    "target metric without a monitor": {"spec": {"monitor": {"enabled": False}}},
-    "nothing stops the run": {"spec": {"stopping": {"targetSteps": None, "targetMetric": None}}},
+    "Swarm": {
+        "batch larger than the global batch": {"spec": {"trainers": {"batchSize": 512}}},
+        "group larger than the averaging peers": {"spec": {"averaging": {"targetGroupSize": 9}}},
+        "target metric without a monitor": {"spec": {"monitor": {"enabled": False}}},
+        "nothing stops the run": {"spec": {"stopping": {"targetSteps": None, "targetMetric": None}}},
+    },
+    "BlockServer": {
+        "heads do not divide the width": {"spec": {"model": {"tiny": {"hiddenSize": 66}}}},
+        "span longer than the model": {"spec": {"servers": {"spanLength": 7}}},
+        "session longer than the cache": {"spec": {"servers": {"maxSessionTokens": 8192}}},
+    },
+    "ExpertPool": {
+        "kMin above kBest": {"spec": {"trainers": {"dmoe": {"kMin": 5}}}},
+        "kBest above the hosted experts": {"spec": {"grid": {"dimensions": [3]}}},
+        "entries expire between announcements": {"spec": {"servers": {"announceExpirationSeconds": 1}}},
+        "two checkpoint claims": {"spec": {"checkpoint": {"volumeClaim": {}, "existingClaim": "lab-nfs"}}},
+        "a claim without checkpoints": {"spec": {"checkpoint": {"enabled": False, "existingClaim": "lab-nfs"}}},
+        "a claim mounted at a relative dir": {"spec": {"checkpoint": {"volumeClaim": {}, "dir": "experts"}}},
+    },
 }
 
 
-def bad(changes: dict[str, Any] | None) -> dict[str, Any]:
+def bad(kind: str, changes: dict[str, Any] | None) -> dict[str, Any]:
     if changes is None:
-        document = copy.deepcopy(SWARM)
+        document = copy.deepcopy(BASES[kind])
         del document["spec"]
         return document
-    return deep_update(SWARM, changes)
+    return deep_update(BASES[kind], changes)
+
+
+def cases(table: dict[str, dict[str, Any]]) -> list[Any]:
+    return [pytest.param(kind, case, id=f"{kind}: {case}") for kind in sorted(table) for case in sorted(table[kind])]
 
 
 @needs_jsonschema
-@pytest.mark.parametrize("case", sorted(BAD_SWARMS))
-def test_bad_manifests_are_rejected_by_both_sides(case):
-    document = bad(BAD_SWARMS[case])
+@pytest.mark.parametrize("kind,case", cases(BAD))
+def test_bad_manifests_are_rejected_by_both_sides(kind, case):
+    document = bad(kind, BAD[kind][case])
     assert not crd_accepts(document), f"the CRD accepts: {case}"
     assert not model_accepts(document), f"the model accepts: {case}"
 
 
 @needs_jsonschema
-@pytest.mark.parametrize("case", sorted(MODEL_ONLY))
-def test_cross_field_rules_are_the_models(case):
-    document = bad(MODEL_ONLY[case])
+@pytest.mark.parametrize("kind,case", cases(MODEL_ONLY))
+def test_cross_field_rules_are_the_models(kind, case):
+    document = bad(kind, MODEL_ONLY[kind][case])
     if case == "nothing stops the run":
         document["spec"]["stopping"] = {}
     assert crd_accepts(document), case

@@ -304,36 +304,49 @@ def test_scale_rolls_nothing_and_a_change_rolls_only_its_roles(cluster, client, 
     assert len([k for k in after if k[0] == "Job"]) == 1
 
 
-def test_operator_restart_creates_no_duplicates_and_repairs_what_is_missing(cluster, client, start_operator):
+# kind -> (plural, example, name, the component whose StatefulSet goes missing)
+RESTARTED = {"Swarm": ("swarms", "swarm-digits.yaml", "digits", "trainer"),
+             "BlockServer": ("blockservers", "blockserver.yaml", "tiny-llama", "block-server"),
+             "ExpertPool": ("expertpools", "expertpool.yaml", "digits-moe", "expert-server")}
+
+
+@pytest.mark.parametrize("kind", sorted(RESTARTED))
+def test_operator_restart_creates_no_duplicates_and_repairs_what_is_missing(cluster, client, start_operator, kind):
+    import kubernetes
+
+    plural, example_file, name, component = RESTARTED[kind]
     first = start_operator()
-    apply_swarm(client, example())
-    made = wait_for(lambda: all_children_made(cluster), what="children")
-    wait_for(lambda: swarm(cluster).get("status", {}).get("readyPeers"), what="status")
+    kubernetes.client.CustomObjectsApi(client).create_namespaced_custom_object(
+        "hivekeeper.dev", "v1alpha1", NS, plural, example(example_file))
+    resource = f"hivekeeper.dev/v1alpha1/{plural}"
+    # The status is written once every child of the first reconcile is applied.
+    wait_for(lambda: (cluster.object(resource, NS, name).get("status") or {}).get("readyPeers"), what="status")
+    made = children(cluster, name)
+    assert ("StatefulSet", f"{name}-{component}") in made and ("ConfigMap", f"{name}-config") in made
     first.stop()
-    counts = {resource: len(cluster.objects(resource, NS)) for resource in CHILD_RESOURCES}
+    counts = {r: len(cluster.objects(r, NS)) for r in CHILD_RESOURCES}
 
     # While no operator runs, a child disappears (deleted by hand, or the operator died
     # between two creates of its first reconcile).
-    import kubernetes
-
-    kubernetes.client.AppsV1Api(client).delete_namespaced_stateful_set("digits-trainer", NS)
-    kubernetes.client.CoreV1Api(client).delete_namespaced_config_map("digits-config", NS)
-    assert cluster.object(STS, NS, "digits-trainer") is None
+    kubernetes.client.AppsV1Api(client).delete_namespaced_stateful_set(f"{name}-{component}", NS)
+    kubernetes.client.CoreV1Api(client).delete_namespaced_config_map(f"{name}-config", NS)
+    assert cluster.object(STS, NS, f"{name}-{component}") is None
 
     second = start_operator()
-    repaired = wait_for(lambda: all_children_made(cluster), what="the missing children")
+    repaired = wait_for(lambda: (now := children(cluster, name)) and set(now) == set(made) and now,
+                        what="the missing children")
     time.sleep(1.0)  # several more resyncs
-    assert {resource: len(cluster.objects(resource, NS)) for resource in CHILD_RESOURCES} == counts
+    assert {r: len(cluster.objects(r, NS)) for r in CHILD_RESOURCES} == counts
     for key, obj in repaired.items():
-        if key not in (("StatefulSet", "digits-trainer"), ("ConfigMap", "digits-config")):
+        if key not in (("StatefulSet", f"{name}-{component}"), ("ConfigMap", f"{name}-config")):
             assert obj["metadata"]["uid"] == made[key]["metadata"]["uid"], key
             assert obj["metadata"]["resourceVersion"] == made[key]["metadata"]["resourceVersion"], key
     # The backbone keeps its key, so its peer ID, and everyone's bootstrap address, stay.
-    assert repaired[("Secret", "digits-backbone-keys")]["data"] == made[("Secret", "digits-backbone-keys")]["data"]
-    assert repaired[("ConfigMap", "digits-config")]["data"] == made[("ConfigMap", "digits-config")]["data"]
+    assert repaired[("Secret", f"{name}-backbone-keys")]["data"] == made[("Secret", f"{name}-backbone-keys")]["data"]
+    assert repaired[("ConfigMap", f"{name}-config")]["data"] == made[("ConfigMap", f"{name}-config")]["data"]
     writes = {tuple(s.labels.values()): s.value for metric in second.metrics.writes.collect()
               for s in metric.samples if s.name.endswith("_total")}
-    assert writes == {("Swarm", "StatefulSet", "create"): 1.0, ("Swarm", "ConfigMap", "create"): 1.0}
+    assert writes == {(kind, "StatefulSet", "create"): 1.0, (kind, "ConfigMap", "create"): 1.0}
 
 
 def test_deleting_the_swarm_removes_its_children(cluster, client, start_operator):

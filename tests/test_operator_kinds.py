@@ -32,6 +32,7 @@ KINDS = {  # kind -> (plural, example, name, {component: replicas}, job componen
     "ExpertPool": ("expertpools", "expertpool.yaml", "digits-moe",
                    {"backbone-experts": 1, "expert-server": 2}, {"expert-trainer": 1}, "expert-server"),
 }
+PVCS = "v1/persistentvolumeclaims"
 CHILD_RESOURCES = ["v1/secrets", "v1/configmaps", "v1/services", STS, JOBS, "policy/v1/poddisruptionbudgets"]
 
 
@@ -39,6 +40,15 @@ def custom(client):
     import kubernetes
 
     return kubernetes.client.CustomObjectsApi(client)
+
+
+def scale_servers(client, plural: str, name: str, replicas: int) -> dict[str, Any]:
+    """What `kubectl scale` (or an HPA) does: patch the resource's scale subresource."""
+    scale = custom(client).patch_namespaced_custom_object_scale(
+        "hivekeeper.dev", "v1alpha1", NS, plural, name, {"spec": {"replicas": replicas}},
+        _content_type="application/merge-patch+json")
+    assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == replicas
+    return scale
 
 
 def children(cluster, name: str) -> dict[tuple[str, str], dict[str, Any]]:
@@ -110,12 +120,15 @@ def test_kind_reconciles_scales_completes_and_deletes(cluster, client, start_ope
     else:
         assert (status["expertsAlive"], status["step"]) == (16, 40)
 
-    # kubectl scale: the servers' StatefulSet follows. Nothing else rolls, and the servers only
-    # when their roles depend on the count (an expert server's share of the grid).
+    # kubectl scale, through the scale subresource: the servers' StatefulSet follows. Nothing else
+    # rolls, and the servers only when their roles depend on the count (an expert server's share
+    # of the grid).
+    scale = custom(client).get_namespaced_custom_object_scale("hivekeeper.dev", "v1alpha1", NS, plural, name)
+    assert (scale["spec"], scale["status"]) == ({"replicas": stateful[scaled]},
+                                                {"replicas": stateful[scaled], "selector": status["selector"]})
     before = {c: cluster.object(STS, NS, f"{name}-{c}")["spec"]["template"] for c in stateful}
-    custom(client).patch_namespaced_custom_object(
-        "hivekeeper.dev", "v1alpha1", NS, plural, name, {"spec": {"servers": {"replicas": 4}}},
-        _content_type="application/merge-patch+json")
+    scale_servers(client, plural, name, 4)
+    assert cluster.object(f"hivekeeper.dev/v1alpha1/{plural}", NS, name)["spec"]["servers"]["replicas"] == 4
     wait_for(lambda: cluster.object(STS, NS, f"{name}-{scaled}")["spec"]["replicas"] == 4, what="scaled servers")
     after = {c: cluster.object(STS, NS, f"{name}-{c}")["spec"]["template"] for c in stateful}
     rolled = {c for c in stateful if after[c] != before[c]}
@@ -143,3 +156,65 @@ def test_an_invalid_blockserver_gets_a_condition_and_no_children(cluster, client
     ready = next(c for c in resource["status"]["conditions"] if c["type"] == "Ready")
     assert ready["reason"] == "InvalidSpec" and "servers.replicas" in ready["message"]
     assert not children(cluster, "tiny-llama")
+
+
+def checkpoint_volume(cluster, name: str = "digits-moe") -> tuple[str, str] | None:
+    """(claim, mount path) of the checkpoint volume in the expert servers' pod template."""
+    sts = cluster.object(STS, NS, f"{name}-expert-server")
+    if sts is None:
+        return None
+    pod = sts["spec"]["template"]["spec"]
+    claim = next((v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if v["name"] == "checkpoints"), None)
+    mount = next((m["mountPath"] for m in pod["containers"][0]["volumeMounts"] if m["name"] == "checkpoints"), None)
+    return (claim, mount) if claim else None
+
+
+def test_expert_checkpoints_claim_outlives_scaling_and_edits_and_goes_with_the_pool(cluster, client, start_operator):
+    start_operator()
+    document = example("expertpool.yaml", {"spec": {"checkpoint": {"volumeClaim": {"size": "2Gi"}}}})
+    custom(client).create_namespaced_custom_object("hivekeeper.dev", "v1alpha1", NS, "expertpools", document)
+    claim = wait_for(lambda: cluster.object(PVCS, NS, "digits-moe-checkpoints"), what="the checkpoint claim")
+    pool = cluster.object("hivekeeper.dev/v1alpha1/expertpools", NS, "digits-moe")
+    assert claim["metadata"]["ownerReferences"][0]["uid"] == pool["metadata"]["uid"]
+    assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "2Gi"}}}
+    shared = ("digits-moe-checkpoints", "/var/lib/hivekeeper/experts")
+    assert wait_for(lambda: checkpoint_volume(cluster), what="the servers' checkpoint volume") == shared
+
+    # A rebalance (servers restart with new shares of the grid) keeps the one claim, untouched:
+    # a server taking over an expert finds its file there.
+    template = cluster.object(STS, NS, "digits-moe-expert-server")["spec"]["template"]
+    scale_servers(client, "expertpools", "digits-moe", 3)
+    scaled = wait_for(lambda: (s := cluster.object(STS, NS, "digits-moe-expert-server"))["spec"]["replicas"] == 3 and s,
+                      what="3 servers")
+    assert scaled["spec"]["template"] != template and checkpoint_volume(cluster) == shared
+    # Its size applies when it is made (a bound claim is not rewritten; resize it yourself).
+    custom(client).patch_namespaced_custom_object(
+        "hivekeeper.dev", "v1alpha1", NS, "expertpools", "digits-moe",
+        {"spec": {"checkpoint": {"volumeClaim": {"size": "5Gi"}}}}, _content_type="application/merge-patch+json")
+    wait_for(lambda: (cluster.object("hivekeeper.dev/v1alpha1/expertpools", NS, "digits-moe").get("status") or {})
+             .get("observedGeneration") == 3, what="the edit reconciled")
+    [kept] = cluster.objects(PVCS, NS)
+    assert (kept["metadata"]["uid"], kept["metadata"]["resourceVersion"]) == (
+        claim["metadata"]["uid"], claim["metadata"]["resourceVersion"])
+
+    custom(client).delete_namespaced_custom_object("hivekeeper.dev", "v1alpha1", NS, "expertpools", "digits-moe")
+    wait_for(lambda: cluster.object(PVCS, NS, "digits-moe-checkpoints") is None and not children(cluster, "digits-moe"),
+             what="the claim to go with the pool")
+
+
+def test_an_existing_checkpoint_claim_is_mounted_and_never_deleted(cluster, client, start_operator):
+    import kubernetes
+
+    core = kubernetes.client.CoreV1Api(client)
+    core.create_namespaced_persistent_volume_claim(NS, {
+        "metadata": {"name": "lab-nfs"},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "10Gi"}}}})
+    start_operator()
+    document = example("expertpool.yaml", {"spec": {"checkpoint": {"existingClaim": "lab-nfs", "dir": "/checkpoints"}}})
+    custom(client).create_namespaced_custom_object("hivekeeper.dev", "v1alpha1", NS, "expertpools", document)
+    assert wait_for(lambda: checkpoint_volume(cluster), what="the servers' checkpoint volume") == (
+        "lab-nfs", "/checkpoints")
+    assert [c["metadata"]["name"] for c in cluster.objects(PVCS, NS)] == ["lab-nfs"]
+    custom(client).delete_namespaced_custom_object("hivekeeper.dev", "v1alpha1", NS, "expertpools", "digits-moe")
+    wait_for(lambda: not children(cluster, "digits-moe"), what="the pool's children to go")
+    assert cluster.object(PVCS, NS, "lab-nfs") is not None

@@ -229,19 +229,22 @@ def test_the_package_as_the_dockerfile_installs_it_has_both_source_roots(tmp_pat
     assert "hivekeeper-operator = hivekeeper_operator.__main__:main" in entry_points
 
 
+def plan_role_planned(manifest):
+    from hivekeeper.kinds import runtime
+    from hivekeeper_operator.workloads import plan_workloads
+
+    peer_ids = {name: PEER for name in runtime(manifest.kind).identity_roles(manifest)}
+    return plan_workloads({**owner(manifest.metadata.name), "kind": manifest.kind}, manifest, peer_ids,
+                          {f"{n}.key": "a2V5" for n in peer_ids}, SETTINGS, service_monitor=True)
+
+
 @pytest.mark.parametrize("path", [EXAMPLES / "blockserver.yaml", EXAMPLES / "expertpool.yaml"], ids=lambda p: p.name)
 def test_role_planned_kinds_give_valid_objects_and_commands_the_cli_accepts(path):
     """BlockServer and ExpertPool are planned from their roles (workloads.py): every child is a
     valid Kubernetes 1.33 object, and every pod's command parses, Job pods included (their
     index is the Indexed Job's completion index)."""
-    from hivekeeper.kinds import runtime
-    from hivekeeper_operator.workloads import plan_workloads
-
     kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
-    manifest = load_manifest(path)
-    peer_ids = {name: PEER for name in runtime(manifest.kind).identity_roles(manifest)}
-    plan = plan_workloads({**owner(manifest.metadata.name), "kind": manifest.kind}, manifest, peer_ids,
-                          {f"{n}.key": "a2V5" for n in peer_ids}, SETTINGS, service_monitor=True)
+    plan = plan_role_planned(load_manifest(path))
     for child in plan.children:
         if child["kind"] != "ServiceMonitor":  # a CRD's kind: not in Kubernetes' schemas
             kubernetes_validate.validate(child, "1.33.0", strict=True)
@@ -366,3 +369,50 @@ def test_volunteers_disabled_plans_none_of_it_and_lists_it_for_deletion():
     from hivekeeper_operator.swarm import all_children
     listed = {name for _, _, name in all_children("digits")}
     assert {"digits-relay", "digits-auth", "digits-gateway", "digits-invites", "digits-relay-0"} <= listed
+
+
+def test_expert_checkpoints_go_on_one_claim_every_server_mounts_where_it_saves():
+    """spec.checkpoint.volumeClaim: a PersistentVolumeClaim owned by the pool, mounted by the expert
+    servers (only) at their checkpoint directory; existingClaim: the user's claim, none made."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    from hivekeeper.spec import parse_manifest
+
+    base = yaml.safe_load((EXAMPLES / "expertpool.yaml").read_text())
+
+    def plan(checkpoint: dict):
+        document = json.loads(json.dumps(base))
+        document["spec"]["checkpoint"].update(checkpoint)
+        return plan_role_planned(parse_manifest(document))
+
+    def mounts(plan_) -> dict[str, list]:
+        return {c["metadata"]["name"]: [(v, m) for v in c["spec"]["template"]["spec"]["volumes"]
+                                        for m in c["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+                                        if v["name"] == m["name"] == "checkpoints"]
+                for c in plan_.children if c["kind"] == "StatefulSet"}
+
+    def claims(plan_) -> list[dict]:
+        return [c for c in plan_.children if c["kind"] == "PersistentVolumeClaim"]
+
+    made = plan({"volumeClaim": {"size": "5Gi", "storageClassName": "nfs-client"}})
+    [claim] = claims(made)
+    kubernetes_validate.validate(claim, "1.33.0", strict=True)
+    assert claim["metadata"]["name"] == "digits-moe-checkpoints"
+    assert claim["metadata"]["ownerReferences"][0]["uid"] == "0000-1111"  # deleted with the pool
+    assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "storageClassName": "nfs-client",
+                             "resources": {"requests": {"storage": "5Gi"}}}
+    shared = ({"name": "checkpoints", "persistentVolumeClaim": {"claimName": "digits-moe-checkpoints"}},
+              {"name": "checkpoints", "mountPath": "/var/lib/hivekeeper/experts"})  # RUN_DIR/experts: the servers'
+    assert mounts(made) == {"digits-moe-expert-server": [shared], "digits-moe-backbone-experts": []}
+    for child in made.children:
+        if child["kind"] == "StatefulSet":
+            kubernetes_validate.validate(child, "1.33.0", strict=True)
+
+    theirs = plan({"existingClaim": "lab-nfs", "dir": "/checkpoints"})
+    assert claims(theirs) == []
+    assert mounts(theirs)["digits-moe-expert-server"] == [
+        ({"name": "checkpoints", "persistentVolumeClaim": {"claimName": "lab-nfs"}},
+         {"name": "checkpoints", "mountPath": "/checkpoints"})]
+
+    # No claim (the example): checkpoints stay in each pod's run directory, as before.
+    none = plan({})
+    assert claims(none) == [] and all(m == [] for m in mounts(none).values())

@@ -26,6 +26,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, str]] = {
     ("v1", "ConfigMap"): ("api/v1", "configmaps"),
     ("v1", "Secret"): ("api/v1", "secrets"),
     ("v1", "Service"): ("api/v1", "services"),
+    ("v1", "PersistentVolumeClaim"): ("api/v1", "persistentvolumeclaims"),
     ("apps/v1", "StatefulSet"): ("apis/apps/v1", "statefulsets"),
     ("apps/v1", "Deployment"): ("apis/apps/v1", "deployments"),
     ("batch/v1", "Job"): ("apis/batch/v1", "jobs"),
@@ -194,12 +195,16 @@ class Applier:
     fields other controllers own (status, defaulted fields, others' labels) alone.
 
     `recreate_kinds` are replaced (deleted and created) on change: a Job's pod template is
-    immutable. `on_write(kind, action)` counts writes for metrics and tests."""
+    immutable. `create_only_kinds` are made once and then left as they are: a bound claim's spec
+    is immutable, and replacing it would lose its data. `on_write(kind, action)` counts writes
+    for metrics and tests."""
 
     def __init__(self, kube: Kube, recreate_kinds: frozenset[str] = frozenset({"Job"}),
+                 create_only_kinds: frozenset[str] = frozenset({"PersistentVolumeClaim"}),
                  on_write: Callable[[str, str], None] | None = None):
         self.kube = kube
         self.recreate_kinds = recreate_kinds
+        self.create_only_kinds = create_only_kinds
         self.on_write = on_write or (lambda kind, action: None)
 
     def apply(self, desired: dict) -> ApplyResult:
@@ -220,7 +225,7 @@ class Applier:
                 wanted_owner.get("kind"), wanted_owner.get("name")):
             raise NameConflict(f"{kind} {namespace}/{name} belongs to {live_owner.get('kind')} "
                                f"{live_owner.get('name')!r}")
-        if (live_meta.get("annotations") or {}).get(HASH_ANNOTATION) == digest:
+        if (live_meta.get("annotations") or {}).get(HASH_ANNOTATION) == digest or kind in self.create_only_kinds:
             return ApplyResult(kind, name, "unchanged", live)
         if kind in self.recreate_kinds:
             self.kube.delete(api_version, kind, namespace, name)

@@ -365,9 +365,11 @@ def _quantity_resources(resources: Resources) -> dict[str, Any]:
 
 def _pod_template(swarm: str, component: str, resources: Resources, config_hash: str, settings: WorkloadSettings,
                   grace: int, *, keys: bool = False, restart_policy: str = "Always",
-                  index: int | None = None, door: VolunteersSpec | None = None) -> dict[str, Any]:
+                  index: int | None = None, door: VolunteersSpec | None = None,
+                  extra_volumes: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = ()) -> dict[str, Any]:
     """With `door` (spec.volunteers), every pod gets its invite; the token service gets the
-    signing key, the allowlist Secret and its gRPC port instead."""
+    signing key, the allowlist Secret and its gRPC port instead. `extra_volumes`: (volume, mount)
+    pairs besides these (an ExpertPool's checkpoint claim)."""
     args = ["--component", component]
     if index is not None:
         args += ["--index", str(index)]
@@ -386,6 +388,9 @@ def _pod_template(swarm: str, component: str, resources: Resources, config_hash:
     if keys:
         mounts.append({"name": "keys", "mountPath": KEYS_DIR, "readOnly": True})
         volumes.append({"name": "keys", "secret": {"secretName": keys_secret_name(swarm), "defaultMode": 0o440}})
+    for volume, mount in extra_volumes:
+        volumes.append(volume)
+        mounts.append(mount)
     ports = [{"name": P2P, "containerPort": P2P_PORT, "protocol": "TCP"},
              {"name": METRICS, "containerPort": METRICS_PORT, "protocol": "TCP"}]
     if door is not None and component == "auth":

@@ -10,7 +10,10 @@ The shim does what a kube-apiserver does and the emulator does not:
   for kinds that have the status subresource;
 - garbage-collect objects whose owners (by ownerReferences uid) are all gone, as the real
   garbage collector does (`propagationPolicy: Background`), also for objects created late
-  for an owner already deleted.
+  for an owner already deleted;
+- serve a custom resource's `/scale` (GET and PATCH) as an autoscaling/v1 Scale mapped onto the
+  CRD's specReplicasPath, statusReplicasPath and labelSelectorPath (`kubectl scale`, an HPA):
+  the emulator would merge a Scale patch into the object as it is.
 It validates nothing against CRD schemas: tests check that with `hivekeeper.spec.crd`.
 
 kmock and attrs are test dependencies: importing this module needs the `operator-test` extra.
@@ -27,6 +30,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
 import attrs
 import jsonpointer
 import kmock
@@ -40,6 +44,7 @@ CORE_RESOURCES: dict[str, dict[str, Any]] = {
     "v1/configmaps": dict(kind="ConfigMap", namespaced=True),
     "v1/secrets": dict(kind="Secret", namespaced=True),
     "v1/services": dict(kind="Service", namespaced=True),
+    "v1/persistentvolumeclaims": dict(kind="PersistentVolumeClaim", namespaced=True, subresources={"status"}),
     "v1/pods": dict(kind="Pod", namespaced=True),
     "apps/v1/statefulsets": dict(kind="StatefulSet", namespaced=True, subresources={"status", "scale"}),
     "apps/v1/deployments": dict(kind="Deployment", namespaced=True, subresources={"status", "scale"}),
@@ -62,17 +67,27 @@ class ShimmedEmulator(kmock.KubernetesEmulator):
 
     _versions: Any = attrs.field(factory=lambda: itertools.count(2), init=False)
     _status_kinds: set = attrs.field(factory=set, init=False)
+    _scales: dict = attrs.field(factory=dict, init=False)  # resource -> the CRD's scale subresource paths
 
     def declare(self, resources: dict[str, dict[str, Any]]) -> None:
         for key, info in resources.items():
             info = dict(info)
             subresources = set(info.pop("subresources", set()))
+            scale = info.pop("scale", None)
+            if scale:
+                self._scales[kmock.resource(key)] = scale
             self.resources[key] = kmock.ResourceInfo(verbs=VERBS, subresources=subresources, **info)
             if "status" in subresources:
                 self._status_kinds.add(kmock.resource(key))
 
     async def _handle(self, request):  # type: ignore[override]
         resource = request.resource
+        scale = self._scale_paths(request) if request.subresource == "scale" else None
+        if scale is not None and request.action == enums.action.FETCH:
+            return aiohttp.web.json_response(self._scale_of(request, scale))
+        if scale is not None and request.action == enums.action.UPDATE:
+            await self._patch_scale(request, scale)
+            return aiohttp.web.json_response(self._scale_of(request, scale))
         if resource is not None and request.action == enums.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             if request.namespace and not meta.get("namespace"):
@@ -84,12 +99,39 @@ class ShimmedEmulator(kmock.KubernetesEmulator):
             request.data.pop("status", None) if self._has_status(resource) else None
         elif resource is not None and request.action == enums.action.UPDATE and request.name is not None:
             self._check_json_patch_tests(request)
-            self._shim_update(request)
+            self._shim_update((request.resource, request.namespace, request.name), request.subresource, request.data)
         response = await super()._handle(request)
         if resource is not None and request.action in (enums.action.DELETE, enums.action.CREATE, enums.action.UPDATE):
             # The real garbage collector also removes objects created (late) for an owner that is gone.
             await self._collect_garbage()
         return response
+
+    async def _patch_scale(self, request: Any, paths: dict[str, str]) -> None:
+        """A Scale patch becomes a patch of the CRD's specReplicasPath, as the apiserver makes it."""
+        key = (request.resource, request.namespace, request.name)
+        data = _nested(paths["specReplicasPath"], _scale_replicas(request.data))
+        async with self._lock:
+            if key not in self.objects or self.objects[key].deleted:
+                raise kmock.KubernetesError(status=404, reason="NotFound", message=f"{request.name} not found")
+            self._shim_update(key, None, data)
+            self.objects[key].patch(data)
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": self.objects[key].raw})
+
+    def _scale_paths(self, request: Any) -> dict[str, str] | None:
+        return next((paths for resource, paths in self._scales.items() if request.resource == resource), None)
+
+    def _scale_of(self, request: Any, paths: dict[str, str]) -> dict[str, Any]:
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            raise kmock.KubernetesError(status=404, reason="NotFound", message=f"{request.name} not found")
+        obj = self.objects[key].raw
+        meta = obj.get("metadata", {})
+        return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+                             if k in meta},
+                "spec": {"replicas": _lookup(obj, paths["specReplicasPath"]) or 0},
+                "status": {"replicas": _lookup(obj, paths["statusReplicasPath"]) or 0,
+                           "selector": _lookup(obj, paths.get("labelSelectorPath", "")) or ""}}
 
     def _has_status(self, resource: Any) -> bool:
         return any(resource == known for known in self._status_kinds)
@@ -111,16 +153,15 @@ class ShimmedEmulator(kmock.KubernetesEmulator):
                 raise kmock.KubernetesError(status=422, reason="Invalid",
                                             message=f"test failed at {op['path']}: {value!r} != {op.get('value')!r}")
 
-    def _shim_update(self, request: Any) -> None:
-        key = (request.resource, request.namespace, request.name)
+    def _shim_update(self, key: tuple[Any, str | None, str], subresource: str | None, data: Any) -> None:
+        """Bump resourceVersion (and generation on a spec change) and keep `status` apart, in `data`."""
         if key not in self.objects or self.objects[key].deleted:
             return  # the emulator answers 404
         current = self.objects[key]
         version = str(next(self._versions))
         generation = int(current.get("metadata", {}).get("generation") or 1)
-        status_only = request.subresource == "status"
-        keep_status_off = not status_only and self._has_status(request.resource)
-        data = request.data
+        status_only = subresource == "status"
+        keep_status_off = not status_only and self._has_status(key[0])
         if isinstance(data, dict):
             if status_only:
                 for k in [k for k in data if k != "status"]:
@@ -161,6 +202,32 @@ class ShimmedEmulator(kmock.KubernetesEmulator):
                     await self._buses[key[0]].put({"type": "DELETED", "object": raw})
             if not orphans:
                 return
+
+
+def _lookup(obj: dict[str, Any], json_path: str) -> Any:
+    """The value at a CRD's simple JSON path (".spec.servers.replicas"), or None."""
+    node: Any = obj
+    for part in filter(None, json_path.split(".")):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _nested(json_path: str, value: Any) -> dict[str, Any]:
+    """{"spec": {"servers": {"replicas": value}}} for ".spec.servers.replicas"."""
+    out: Any = value
+    for part in reversed(json_path.strip(".").split(".")):
+        out = {part: out}
+    return out
+
+
+def _scale_replicas(patch: Any) -> int:
+    """spec.replicas from a Scale merge patch or JSON patch (what `kubectl scale` and an HPA send)."""
+    if isinstance(patch, dict) and isinstance((patch.get("spec") or {}).get("replicas"), int):
+        return patch["spec"]["replicas"]
+    for op in patch if isinstance(patch, list) else []:
+        if op.get("op") in ("add", "replace") and op.get("path") == "/spec/replicas" and isinstance(op.get("value"), int):
+            return op["value"]
+    raise kmock.KubernetesError(status=422, reason="Invalid", message="a Scale patch sets spec.replicas")
 
 
 class EmulatedCluster:
@@ -281,5 +348,6 @@ def crd_resources(crd: dict[str, Any]) -> dict[str, dict[str, Any]]:
             shortnames=set(spec["names"].get("shortNames", [])),
             categories=set(spec["names"].get("categories", [])),
             subresources=set(version.get("subresources", {})),
+            scale=version.get("subresources", {}).get("scale"),
         )
     return out

@@ -10,6 +10,8 @@ Children of a resource NAME (owned by it, labelled hivekeeper.dev/swarm=NAME):
                                    Indexed Job instead (index = completion index), so that its
                                    successful exit is not restarted forever
   NAME-COMPONENT      PodDisruptionBudget (minAvailable: 1) for backbone components
+  NAME-checkpoints    PersistentVolumeClaim (ExpertPool spec.checkpoint.volumeClaim): made once,
+                      shared by the expert servers, kept until the pool goes (`storage.py`)
   NAME                ServiceMonitor, when the Prometheus Operator's CRD is installed
 Pod templates, config hashes and conditions are the Swarm's (`swarm.py`)."""
 
@@ -28,6 +30,7 @@ from hivekeeper.spec.crd import KINDS, RoleStatus
 from hivekeeper.topology import METRICS, Role
 
 from hivekeeper_operator.network import CONFIG_DIR, METRICS_PORT, P2P_PORT, RUN_DIR, KubernetesNetwork
+from hivekeeper_operator.storage import checkpoint_storage
 from hivekeeper_operator.swarm import (
     LABEL_METRICS,
     LABEL_SWARM,
@@ -40,7 +43,6 @@ from hivekeeper_operator.swarm import (
     invalid_status,
     job_finished,
     keys_secret,
-    keys_secret_name,
     labels,
     lifecycle,
     owner_reference,
@@ -130,6 +132,9 @@ def plan_workloads(owner: dict[str, Any], manifest: Manifest, peer_ids: dict[str
                   "roles.json": json.dumps({r.name: {"component": r.component, "args": list(r.args)} for r in roles},
                                            indent=2, sort_keys=True)}},
     ]
+    storage = checkpoint_storage(manifest, meta)
+    if storage is not None and storage.claim is not None:
+        children.append(storage.claim)
     keyed = {name_.removesuffix(".key") for name_ in keys_data}
     grace = 60
     for component in components:
@@ -148,8 +153,9 @@ def plan_workloads(owner: dict[str, Any], manifest: Manifest, peer_ids: dict[str
                          "suspend": completed, "template": template},
             })
             continue
+        extra = ((storage.volume, storage.mount),) if storage is not None and storage.component == component.name else ()
         template = _pod_template(name, component.name, resources, hashes[component.name], settings, grace,
-                                 keys=has_keys)
+                                 keys=has_keys, extra_volumes=extra)
         children.append({
             "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta(child_name(name, component.name), component.name),
             "spec": {"serviceName": child_name(name, component.name), "replicas": replicas,
@@ -174,17 +180,6 @@ def plan_workloads(owner: dict[str, Any], manifest: Manifest, peer_ids: dict[str
                      for c in components if is_backbone(c.name) for r in c.roles if r.name in peer_ids]
     return WorkloadPlan(children=children, components=components, hashes=hashes, initial_peers=initial_peers,
                         roles=roles)
-
-
-def all_children(name: str, components: list[str]) -> list[tuple[str, str, str]]:
-    """(apiVersion, kind, name) of every child the resource may have had, to delete the unwanted."""
-    out = [("v1", "Secret", keys_secret_name(name)), ("v1", "ConfigMap", config_map_name(name)),
-           ("monitoring.coreos.com/v1", "ServiceMonitor", name)]
-    for component in components:
-        child = child_name(name, component)
-        out += [("v1", "Service", child), ("apps/v1", "StatefulSet", child), ("batch/v1", "Job", child),
-                ("policy/v1", "PodDisruptionBudget", child)]
-    return out
 
 
 def run_completed(plan: WorkloadPlan, workloads: dict[str, dict[str, Any] | None]) -> bool:

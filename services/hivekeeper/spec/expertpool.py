@@ -16,6 +16,8 @@ from hivekeeper.spec.base import SpecModel
 from hivekeeper.spec.swarm import BackboneSpec, OptimizerSpec, Resources, StoppingSpec, TaskSpec
 
 DIGITS_PIXELS = 64  # the digits task's 8x8 images: what a transformer trainer splits into tokens
+QUANTITY = r"^[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?$"  # a Kubernetes storage quantity
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # a Kubernetes object name
 
 
 class GridSpec(SpecModel):
@@ -57,10 +59,48 @@ class ServerSpec(SpecModel):
     resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
 
 
+class CheckpointClaimSpec(SpecModel):
+    """A PersistentVolumeClaim the operator makes (NAME-checkpoints), owned by the pool: it goes
+    when the pool is deleted. It is made once; size and class apply then (resize the claim itself)."""
+
+    size: str = Field("1Gi", pattern=QUANTITY, description="storage requested, a Kubernetes quantity")
+    storage_class_name: Optional[str] = Field(None, pattern=DNS_SUBDOMAIN, max_length=253,
+                                              description="default: the cluster's default StorageClass")
+    access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = Field(
+        "ReadWriteMany", description="ReadWriteOnce suits only a cluster where every server runs on one node")
+
+
 class CheckpointSpec(SpecModel):
+    """Servers keep one file per expert in one directory they all share, so that whichever server
+    holds an expert after a restart or a rebalance finds its file: in a cluster, one claim shared
+    by every server (not a volume per server)."""
+
     enabled: StrictBool = True
-    dir: Optional[str] = Field(None, description="shared by all servers; default: RUN_DIR/experts, or the pod's volume")
+    dir: Optional[str] = Field(None, description="shared by all servers; default: RUN_DIR/experts "
+                                                 "(in a cluster: where the servers' claim is mounted)")
     every_seconds: float = Field(5.0, gt=0, description="servers save their experts this often (and at shutdown)")
+    volume_claim: Optional[CheckpointClaimSpec] = Field(
+        None, description="cluster only: keep the checkpoints on a claim the operator makes and deletes with the "
+                          "pool, so a rescheduled or rebalanced server resumes its experts (without a claim they "
+                          "live in each pod's emptyDir); locally the servers share the run directory already")
+    existing_claim: Optional[str] = Field(
+        None, pattern=DNS_SUBDOMAIN, max_length=253,
+        description="cluster only: a PersistentVolumeClaim of yours instead (ReadWriteMany unless every server runs "
+                    "on one node); the operator never deletes it")
+
+    def directory(self, run_dir: str) -> str:
+        return self.dir or f"{run_dir}/experts"
+
+    @model_validator(mode="after")
+    def _one_claim(self) -> "CheckpointSpec":
+        claimed = self.volume_claim is not None or self.existing_claim is not None
+        if self.volume_claim is not None and self.existing_claim is not None:
+            raise ValueError("set volumeClaim or existingClaim, not both")
+        if claimed and not self.enabled:
+            raise ValueError("a checkpoint claim needs enabled: true")
+        if claimed and self.dir is not None and not self.dir.startswith("/"):
+            raise ValueError(f"dir ({self.dir!r}) must be an absolute path with a claim: the claim is mounted there")
+        return self
 
 
 class DMoESpec(SpecModel):
