@@ -41,7 +41,10 @@ where hivemind lost a part; the worker logs' all-reduce errors come with the res
   server      one fast peer aggregates everything (parameter server)
 Round time: from the first peer's start of all-reduce to the last peer's end (matchmaking
 excluded); all namespaces share one clock. Every round checks the exact mean on every peer,
-and the tbf counters give the bytes each link carried.
+and the tbf counters give the bytes each link carried. Now and then hivemind loses a part: a
+reducer's result stream ends one or two parts short ("sent 29 parts, but we expected 30")
+with no error logged at either end, the receiver a peer with a slow download; it has hit the
+equal, hivemind and plan splits alike, so it does not come from the plan's shares.
 
 What the prediction leaves out. The model has every peer's upload and download run at once
 at full rate. In hivemind's all-reduce an aggregator returns part k only when every sender's
