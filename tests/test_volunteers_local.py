@@ -66,10 +66,12 @@ def test_swarm_with_volunteers_admits_only_invited_allowlisted_peers(tmp_path, n
                                   text=True, timeout=90)
         assert "records: 0" in intruder.stdout or "refused" in intruder.stdout, intruder.stdout + intruder.stderr[-2000:]
         # The swarm's own view through the admin invite: every role reports.
-        status = hivekeeper("status", str(run_dir), "--swarm", "digits-open", "--json")
-        assert status.returncode == 0, status.stderr
-        roles = {report["role"] for report in json.loads(status.stdout)}
-        assert {"trainer", "auxiliary"} <= roles, roles
+        def roles() -> set[str]:
+            status = hivekeeper("status", str(run_dir), "--swarm", "digits-open", "--json")
+            assert status.returncode == 0, status.stderr
+            return {report["role"] for report in json.loads(status.stdout)}
+
+        wait_for(lambda: {"trainer", "auxiliary"} <= roles(), 60, "the trainers' and the auxiliary's reports")
         wait_for(lambda: global_step(run_dir) > step_before, 90, "training to go on")
     finally:
         if runner.poll() is None:

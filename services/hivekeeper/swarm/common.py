@@ -22,7 +22,7 @@ from hivekeeper.topology import host_protocol
 
 PEERS_KEY = "_peers"  # subkey per peer: the role's latest report (roles, losses, throughput)
 STOP_KEY = "_stop"  # set by the monitor when the stopping condition is met
-REPORT_EXPIRATION = 15.0  # seconds a peer's report stays in the DHT without a refresh
+REPORT_EXPIRATION = 15.0  # seconds a peer's report stays in the DHT without a refresh, beyond a round
 
 
 def add_role_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,6 +164,14 @@ class RoleContext:
         )
         return dht
 
+    @property
+    def report_ttl(self) -> float:
+        """How long a report outlives its peer's silence: a healthy peer reports between steps,
+        and a step can block for a whole averaging round (matchmaking, then up to its timeout)."""
+        averaging = getattr(self.spec, "averaging", None)
+        round_seconds = averaging.matchmaking_seconds + averaging.timeout_seconds if averaging is not None else 0.0
+        return REPORT_EXPIRATION + round_seconds
+
     def publish_report(self, dht, report: dict[str, Any]) -> None:
         """Tell the collaboration (and the monitor) what this peer is doing."""
         from hivemind.utils import get_dht_time
@@ -174,7 +182,7 @@ class RoleContext:
             self.run_id + PEERS_KEY,
             subkey=str(dht.peer_id),
             value=record,
-            expiration_time=get_dht_time() + REPORT_EXPIRATION,
+            expiration_time=get_dht_time() + self.report_ttl,
             return_future=True,
         )
 

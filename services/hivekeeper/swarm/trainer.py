@@ -188,11 +188,14 @@ def recent_rate(window: list[tuple[float, int]], seconds: float = 10.0) -> float
 def _report(ctx: RoleContext, dht, opt, follower: PlanFollower, step_loss: dict[str, Any], total_samples: int,
             samples_window: list[tuple[float, int]]) -> None:
     computing = not opt.auxiliary
-    if computing:  # an aggregator keeps its last rate: the balancer needs it to plan it back in
-        rate = recent_rate(samples_window)
+    last_rate = ctx.status.get("samplesPerSecond", 0.0)
+    if computing:
+        # no batch in the window means the step was blocked in an averaging round (or loading
+        # state), not that this peer stopped computing: a 0 would drop it from the balancer's plan
+        rate = recent_rate(samples_window) or last_rate
         ctx.metrics.samples_per_second.set(rate)
-    else:
-        rate = ctx.status.get("samplesPerSecond", 0.0)
+    else:  # an aggregator keeps its last rate: the balancer needs it to plan it back in
+        rate = last_rate
     report = dict(
         epoch=opt.local_epoch,
         globalEpoch=opt.tracker.global_epoch,
