@@ -4,13 +4,16 @@ Runs `hivekeeper up` once per configuration (the real roles: backbone, 4 trainer
 for the same number of local steps: `gradients` (DeDLOC: every step is one synchronous
 step over 4 x 32 samples) and `parameters` / `ties` merging every N local steps. The
 monitor evaluates the merged (or shared) model every few steps; we record accuracy against
-wall time and against steps, print one table, and write JSON and an SVG plot.
+wall time and against steps, print one table, and write JSON and a PNG plot (two panels).
+A step processes 4 x 32 samples in every mode (one batch per replica), so the step axis
+compares the same data seen; the time axis compares cost.
 
 Anchor: the DDAP paper's qualitative findings (Asynchronous Training of Deep Learning
 Models, section 4): frequent merging approaches synchronous accuracy at lower communication
 cost, and TIES is at least as good as simple averaging (on its larger task).
 
     .venv/bin/python bench/bench_merging.py [--steps 150] [--every 5 20]
+    .venv/bin/python bench/bench_merging.py --replot   # table and plot from the stored JSON
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_results import RESULTS_DIR, write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = RESULTS_DIR / "bench_merging.json"
+PLOT = RESULTS_DIR / "bench_merging.png"
+TARGET_ACCURACY = 0.95
 ANCHOR = ("DDAP (Asynchronous Training of Deep Learning Models), sec. 4: frequent merging approaches "
           "synchronous accuracy at lower cost; TIES >= simple averaging on the larger task")
 
@@ -79,33 +85,75 @@ def _rounds(run_dir: Path) -> dict:
 
 
 def accuracy_at(curve: list[dict], key: str, limit: float) -> float | None:
+    """The latest accuracy evaluated at or before `limit` (steps or seconds); None before the first."""
     points = [p["accuracy"] for p in curve if p[key] <= limit]
     return points[-1] if points else None
 
 
-def svg(results: list[dict], path: Path) -> None:
-    """Accuracy against steps, one polyline per configuration (no plotting library needed)."""
-    width, height, pad = 640, 360, 40
-    max_step = max(p["step"] for r in results for p in r["curve"]) or 1
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
-    lines = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">',
-             f'<rect width="{width}" height="{height}" fill="white"/>',
-             f'<text x="{pad}" y="20" font-size="14">held-out accuracy vs local steps (digits, 4 peers)</text>']
-    for i, result in enumerate(results):
-        points = " ".join(f"{pad + (width - 2 * pad) * p['step'] / max_step:.1f},"
-                          f"{height - pad - (height - 2 * pad) * p['accuracy']:.1f}" for p in result["curve"])
-        color = colors[i % len(colors)]
-        lines.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{points}"/>')
-        lines.append(f'<text x="{width - 170}" y="{pad + 16 * i}" font-size="12" fill="{color}">{result["name"]}</text>')
-    lines.append(f'<text x="{pad}" y="{height - 10}" font-size="12">0 .. {max_step} steps; y: 0 .. 1</text></svg>')
-    path.write_text("\n".join(lines))
+def seconds_to(curve: list[dict], accuracy: float) -> float | None:
+    return next((p["seconds"] for p in curve if p["accuracy"] >= accuracy), None)
+
+
+def table(results: list[dict], steps: int) -> str:
+    """Accuracy at half the steps (same data seen), at the wall time the fastest configuration
+    finished (same cost), the time to reach TARGET_ACCURACY, and the final figures."""
+    half = steps // 2
+    finish = min(r["curve"][-1]["seconds"] for r in results)
+
+    def cell(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+    header = (f"{'configuration':<22}{f'acc@{half} steps':>15}{f'acc@{finish:.1f} s':>12}"
+              f"{f's to {TARGET_ACCURACY:g}':>10}{'final acc':>11}{'steps':>7}{'wall s':>8}{'failed merges':>15}")
+    rows = [header] + [
+        f"{r['name']:<22}{cell(accuracy_at(r['curve'], 'step', half), '.4f'):>15}"
+        f"{cell(accuracy_at(r['curve'], 'seconds', finish), '.4f'):>12}"
+        f"{cell(seconds_to(r['curve'], TARGET_ACCURACY), '.1f'):>10}{r['finalAccuracy']:>11.4f}"
+        f"{r['steps']:>7}{r['wallSeconds']:>8.1f}{r['failedMerges']:>15}" for r in results]
+    notes = [f"acc@{finish:.1f} s: the accuracy each had reached when the fastest finished (- : none evaluated "
+             "yet); wall s includes start-up and shutdown"]
+    return "\n".join(rows + notes)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Held-out accuracy against wall time and against steps, one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True, sharey=True)
+    fig.suptitle("Weight merging against synchronous gradient averaging (digits, 4 peers)", fontsize=13)
+    styles = {"gradients": "-", "parameters": "--", "ties": ":"}
+    for result in results:
+        curve = result["curve"]
+        style = dict(linestyle=styles[result["mode"]], marker="o", markersize=3, label=result["name"])
+        by_time.plot([p["seconds"] for p in curve], [p["accuracy"] for p in curve], **style)
+        by_step.plot([p["step"] for p in curve], [p["accuracy"] for p in curve], **style)
+    by_time.set_xlabel("wall time since start (s)")
+    by_step.set_xlabel("step (4 x 32 samples each, all modes)")
+    by_time.set_ylabel("held-out accuracy")
+    by_time.set_title("against wall time")
+    by_step.set_title("against steps")
+    for ax in (by_time, by_step):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150, help="local optimizer steps per replica")
     parser.add_argument("--every", type=int, nargs="+", default=[5, 20], help="merge frequencies (steps)")
+    parser.add_argument("--replot", action="store_true", help=f"print the table and plot from {RESULTS.name} "
+                                                              "without running anything")
     args = parser.parse_args()
+    if args.replot:
+        stored = json.loads(RESULTS.read_text())
+        print(table(stored["results"], stored["steps"]))
+        plot(stored["results"], PLOT)
+        return
     configs = [manifest("gradients", None, args.steps)]
     configs += [manifest(mode, every, args.steps) for mode in ("parameters", "ties") for every in args.every]
     results = []
@@ -114,17 +162,9 @@ def main() -> None:
             results.append(run(config, Path(workdir)))
             print(f"  {results[-1]['name']}: {results[-1]['finalAccuracy']} in {results[-1]['wallSeconds']} s",
                   flush=True)
-    half = args.steps // 2
-    print(f"\n{'configuration':<22}{'acc@' + str(half) + ' steps':>14}{'final acc':>11}{'steps':>7}"
-          f"{'wall s':>8}{'failed merges':>15}")
-    for r in results:
-        mid = accuracy_at(r["curve"], "step", half)
-        print(f"{r['name']:<22}{mid if mid is not None else float('nan'):>14.4f}{r['finalAccuracy']:>11.4f}"
-              f"{r['steps']:>7}{r['wallSeconds']:>8.1f}{r['failedMerges']:>15}")
-    plot = RESULTS_DIR / "bench_merging.svg"
-    plot.parent.mkdir(parents=True, exist_ok=True)
-    svg(results, plot)
-    print(f"wrote {plot}")
+    print("\n" + table(results, args.steps))
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    plot(results, PLOT)
     write_results("bench_merging", ANCHOR, steps=args.steps, results=results)
 
 

@@ -171,6 +171,7 @@ def together(calls: list[Callable[[], MergeResult]]) -> list[MergeResult]:
 
 
 @pytest.mark.swarm
+@pytest.mark.isolated  # forks hivemind averagers from the test process
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("trim", [None, 0.3])
 def test_decentralized_ties_equals_the_centralized_merge(no_leaked_p2pd, trim):
@@ -196,6 +197,7 @@ def test_decentralized_ties_equals_the_centralized_merge(no_leaked_p2pd, trim):
 
 
 @pytest.mark.swarm
+@pytest.mark.isolated
 @pytest.mark.timeout(120)
 def test_simple_merge_is_the_arithmetic_mean(no_leaked_p2pd):
     _, replicas = random_models(seed=3)
@@ -210,6 +212,7 @@ def test_simple_merge_is_the_arithmetic_mean(no_leaked_p2pd):
 
 
 @pytest.mark.swarm
+@pytest.mark.isolated
 @pytest.mark.timeout(120)
 def test_members_that_disagree_on_the_merge_abandon_it_before_any_round(no_leaked_p2pd):
     base, replicas = random_models(seed=4, count=2)
@@ -297,6 +300,7 @@ def merger_with(averager_class: type[MergingAverager]) -> type[TiesMerger]:
 
 
 @pytest.mark.swarm
+@pytest.mark.isolated
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("victim, retries", [
     (DiesBeforeRound2, False),  # never joins round 2

@@ -1,16 +1,21 @@
-"""The weight-merging wrapper over plain PyTorch loops: replicas that merge end identical, a
-peer joining late starts from the merged state (weights, optimizer moments, step), and a
-TIES peer that missed a merge adopts the group's base instead of blocking later merges."""
+"""The wrapper over plain PyTorch loops: replicas that merge end identical, a peer joining
+late starts from the merged state (weights, optimizer moments, step), a TIES peer that missed
+a merge adopts the group's base instead of blocking later merges, merges fall on the steps an
+epoch fraction names, moments stay local when told, and mode `gradients` steps the replicas
+together. The tests that start peers fork hivemind averagers from the test process."""
 
 from __future__ import annotations
 
 import threading
+import time
+from fractions import Fraction
 
 import hivemind
 import pytest
 import torch
 
-from hivekeeper.swarm.merging_peer import MergingPeer, load_merged_state, state_tensors
+from hivekeeper.swarm import ddap
+from hivekeeper.swarm.merging_peer import MergeSchedule, MergingPeer, load_merged_state, state_tensors
 
 STEPS, EVERY = 6, 3
 
@@ -34,6 +39,67 @@ def train(peer: MergingPeer, model, optimizer, seed: int, steps: int, results: l
             results.append(record)
 
 
+# --- the merge schedule ------------------------------------------------------------------------
+
+
+def merge_steps(schedule: MergeSchedule, steps: int) -> list[int]:
+    return [step for step in range(1, steps + 1) if schedule.merges_at(step)]
+
+
+def test_an_epoch_fraction_merges_on_the_marks_it_names():
+    quarter = MergeSchedule.of(merge_every_epochs=0.25, steps_per_epoch=10)
+    assert quarter.interval == Fraction(5, 2)
+    assert merge_steps(quarter, 30) == [3, 5, 8, 10, 13, 15, 18, 20, 23, 25, 28, 30]  # epochs end on a merge
+    assert merge_steps(MergeSchedule.of(merge_every_epochs=0.1, steps_per_epoch=30), 9) == [3, 6, 9]  # 3, exactly
+    assert merge_steps(MergeSchedule.of(merge_every_epochs=2, steps_per_epoch=7), 30) == [14, 28]
+    assert merge_steps(MergeSchedule.of(merge_every_epochs=0.01, steps_per_epoch=10), 3) == [1, 2, 3]  # < 1 step
+    assert merge_steps(MergeSchedule.of(merge_every=4), 12) == [4, 8, 12]
+    assert merge_steps(MergeSchedule.of(), 20) == [10, 20]
+
+
+def test_shifts_fall_between_merges():
+    schedule = MergeSchedule.of(merge_every_epochs=0.5, steps_per_epoch=9, shift_every=2)  # merges at 5, 9
+    assert [step for step in range(1, 11) if schedule.shifts_at(step)] == [2, 4, 6, 8, 10]
+    assert [step for step in range(1, 11) if schedule.merges_at(step)] == [5, 9]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(merge_every=5, merge_every_epochs=0.5, steps_per_epoch=10), "not both"),
+    (dict(merge_every_epochs=0.5), "steps_per_epoch"),
+    (dict(merge_every_epochs=0, steps_per_epoch=10), "positive"),
+    (dict(merge_every=0), "at least 1"),
+    (dict(merge_every_epochs=0.25, steps_per_epoch=10, shift_every=3), "below the merge interval"),
+])
+def test_a_schedule_that_cannot_work_is_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        MergeSchedule.of(**options)
+
+
+def test_the_wrapper_refuses_an_unknown_mode_before_starting_anything():
+    model, opt = make_replica(0)
+    with pytest.raises(ValueError, match="gradients, parameters, ties"):
+        ddap.connect(model, opt, [], "no-run", mode="sgd")
+
+
+# --- real peers ------------------------------------------------------------------------------
+
+
+def together(calls: list, timeout: float) -> None:
+    """Runs each (function, args) in a thread of its own; waits for all (at most `timeout` s each)."""
+    threads = [threading.Thread(target=function, args=args) for function, args in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+
+
+@pytest.fixture
+def bootstrap():
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    yield [str(a) for a in dht.get_visible_maddrs()]
+    dht.shutdown()
+
+
 @pytest.fixture
 def dhts():
     first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -44,6 +110,8 @@ def dhts():
         dht.shutdown()
 
 
+@pytest.mark.swarm
+@pytest.mark.isolated
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", ["parameters", "ties"])
 def test_replicas_merge_and_a_late_joiner_starts_from_the_merged_state(dhts, no_leaked_p2pd, mode):
@@ -53,12 +121,8 @@ def test_replicas_merge_and_a_late_joiner_starts_from_the_merged_state(dhts, no_
     joiner = None
     try:
         records: list[list] = [[], []]
-        threads = [threading.Thread(target=train, args=(peer, model, opt, seed, STEPS, records[seed]))
-                   for seed, (peer, (model, opt)) in enumerate(zip(peers, replicas))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
+        together([(train, (peer, model, opt, seed, STEPS, records[seed]))
+                  for seed, (peer, (model, opt)) in enumerate(zip(peers, replicas))], timeout=120)
         assert [[r.outcome for r in rs] for rs in records] == [["success"] * 2] * 2, records
         assert all(r.group_size == 2 for rs in records for r in rs)
         # Merging is the last thing each did: the replicas, moments included, are one model now.
@@ -86,6 +150,8 @@ def test_replicas_merge_and_a_late_joiner_starts_from_the_merged_state(dhts, no_
             peer.shutdown()
 
 
+@pytest.mark.swarm
+@pytest.mark.isolated
 @pytest.mark.timeout(120)
 def test_a_ties_peer_that_missed_a_merge_adopts_the_base_and_merges_again(dhts, no_leaked_p2pd):
     replicas = [make_replica(i) for i in range(2)]
@@ -103,12 +169,8 @@ def test_a_ties_peer_that_missed_a_merge_adopts_the_base_and_merges_again(dhts, 
                             matchmaking_seconds=2.0, timeout_seconds=10.0)
         try:
             moved: list[list] = [[], []]
-            threads = [threading.Thread(target=train, args=(peers[1], *replicas[1], 1, EVERY, moved[0])),
-                       threading.Thread(target=train, args=(third, third_model, third_opt, 2, EVERY, moved[1]))]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(60)
+            together([(train, (peers[1], *replicas[1], 1, EVERY, moved[0])),
+                      (train, (third, third_model, third_opt, 2, EVERY, moved[1]))], timeout=60)
             assert [[r.outcome for r in rs] for rs in moved] == [["success"], ["success"]], moved
             # Peer 0, on the old base, fails its next merge alone and adopts the group's base...
             train(peers[0], *replicas[0], 0, EVERY, lonely)
@@ -118,13 +180,9 @@ def test_a_ties_peer_that_missed_a_merge_adopts_the_base_and_merges_again(dhts, 
             assert peers[0].merges == peers[1].merges == 1
             # ...so that it merges with the others again.
             again: list[list] = [[], [], []]
-            threads = [threading.Thread(target=train, args=(peer, model, opt, seed, EVERY, again[seed]))
-                       for seed, (peer, (model, opt)) in enumerate(zip(peers + [third],
-                                                                         replicas + [(third_model, third_opt)]))]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(60)
+            everyone = zip(peers + [third], replicas + [(third_model, third_opt)])
+            together([(train, (peer, model, opt, seed, EVERY, again[seed]))
+                      for seed, (peer, (model, opt)) in enumerate(everyone)], timeout=60)
             # peer 0 merges with someone again: possible only on the group's base (members that
             # reach the merge point apart may pair off, so not every one need be in its group)
             assert again[0] and again[0][-1].outcome == "success" and again[0][-1].group_size >= 2, again
@@ -135,6 +193,8 @@ def test_a_ties_peer_that_missed_a_merge_adopts_the_base_and_merges_again(dhts, 
             peer.shutdown()
 
 
+@pytest.mark.swarm
+@pytest.mark.isolated
 @pytest.mark.timeout(120)
 def test_model_shifting_moves_each_replica_to_the_next_peer_in_the_ring(dhts, no_leaked_p2pd):
     models = []
@@ -154,11 +214,7 @@ def test_model_shifting_moves_each_replica_to_the_next_peer_in_the_ring(dhts, no
                 optimizer.zero_grad()
                 peer.step()
 
-        threads = [threading.Thread(target=two_steps, args=args) for args in zip(peers, models, optimizers)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        together([(two_steps, args) for args in zip(peers, models, optimizers)], timeout=60)
         ring = sorted(peer.shifter.peer_id for peer in peers)
         index_of = {peer.shifter.peer_id: i for i, peer in enumerate(peers)}
         for position, peer_id in enumerate(ring):
@@ -166,6 +222,73 @@ def test_model_shifting_moves_each_replica_to_the_next_peer_in_the_ring(dhts, no
             assert peers[me].shifts == 1
             for now, then in zip(models[me].parameters(), before[predecessor]):
                 assert torch.equal(now, then), f"peer {me} continues peer {predecessor}'s replica"
+    finally:
+        for peer in peers:
+            peer.shutdown()
+
+
+@pytest.mark.swarm
+@pytest.mark.isolated
+@pytest.mark.timeout(120)
+def test_a_with_block_merges_weights_not_moments_when_told_and_stops_everything(bootstrap, no_leaked_p2pd):
+    """merge_optimizer_state=False: the weights are merged, each replica's Adam moments stay its
+    own. Leaving the `with` block stops the merger and the DHT that `connect` started."""
+    replicas = [make_replica(i) for i in range(2)]
+    options = dict(host="127.0.0.1", merge_every=EVERY, merge_optimizer_state=False, timeout_seconds=30.0)
+    records: list[list] = [[], []]
+    with MergingPeer.connect(*replicas[0], bootstrap, "moments-test", **options) as first, \
+            MergingPeer.connect(*replicas[1], bootstrap, "moments-test", **options) as second:
+        peers = [first, second]
+        dhts = [peer._own_dht for peer in peers]
+        together([(train, (peer, model, opt, seed, EVERY, records[seed]))
+                  for seed, (peer, (model, opt)) in enumerate(zip(peers, replicas))], timeout=90)
+    assert [[(r.outcome, r.group_size) for r in rs] for rs in records] == [[("success", 2)]] * 2, records
+    (model_a, _), (model_b, _) = replicas
+    for a, b in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+    moments = [[opt.state[p][key] for p in model.parameters() for key in ("exp_avg", "exp_avg_sq")]
+               for model, opt in replicas]
+    assert all(not torch.allclose(a, b) for a, b in zip(*moments)), "each replica keeps its own moments"
+    assert not any(peer.merger.averager.is_alive() or dht.is_alive() for peer, dht in zip(peers, dhts))
+
+
+@pytest.mark.swarm
+@pytest.mark.isolated
+@pytest.mark.timeout(150)
+def test_mode_gradients_steps_the_replicas_together(bootstrap, no_leaked_p2pd):
+    """DeDLOC through the wrapper: two peers, each step on the average of both peers' gradients
+    (a global batch of both peers' batches), so the replicas stay one model."""
+    replicas = [make_replica(i) for i in range(2)]
+    before = [p.detach().clone() for p in replicas[0][0].parameters()]
+    options = dict(mode="gradients", host="127.0.0.1", batch_size=32, target_batch_size=64, expected_peers=2,
+                   matchmaking_seconds=1.0, timeout_seconds=30.0)
+    peers = []
+    try:
+        for model, opt in replicas:
+            peers.append(ddap.connect(model, opt, bootstrap, "gradients-test", **options))
+        records: list[list] = [[], []]
+
+        def train_to_epoch(peer, model, seed: int) -> None:
+            generator = torch.Generator().manual_seed(seed)
+            deadline = time.monotonic() + 90
+            while peer.epoch < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)  # a step takes no time here; the peers meet in the DHT within a second or two
+                x = torch.randn(32, 8, generator=generator)
+                torch.nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long()).backward()
+                peer.optimizer.step()
+                peer.optimizer.zero_grad()
+                record = peer.step()
+                if record is not None:
+                    records[seed].append(record)
+
+        together([(train_to_epoch, (peer, model, seed))
+                  for seed, (peer, (model, _)) in enumerate(zip(peers, replicas))], timeout=120)
+        assert [peer.epoch for peer in peers] == [2, 2]
+        assert all(any((r.outcome, r.group_size) == ("success", 2) for r in rs) for rs in records), records
+        (model_a, _), (model_b, _) = replicas
+        assert not all(torch.equal(a, b) for a, b in zip(model_a.parameters(), before)), "the user's model trained"
+        for a, b in zip(model_a.parameters(), model_b.parameters()):
+            assert torch.allclose(a, b, atol=1e-6)
     finally:
         for peer in peers:
             peer.shutdown()

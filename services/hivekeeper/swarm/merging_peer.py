@@ -1,17 +1,19 @@
 """A plain PyTorch training loop as a weight-merging peer (DDAP's wrapper, over hivemind).
 
-    peer = MergingPeer.connect(model, optimizer, initial_peers, prefix="my-run", mode="ties", merge_every=20)
-                                     # starts from the swarm's latest merged state, if any
-    for batch in loader:
-        loss(model, batch).backward()
-        optimizer.step(); optimizer.zero_grad()
-        peer.step()                  # merges with the peers that reach a merge too
-    peer.shutdown()
+    with MergingPeer.connect(model, optimizer, initial_peers, prefix="my-run", mode="ties",
+                             merge_every_epochs=0.25, steps_per_epoch=len(loader)) as peer:
+        for epoch in range(num_epochs):  # starts from the swarm's latest merged state, if any
+            for batch in loader:
+                loss(model, batch).backward()
+                optimizer.step(); optimizer.zero_grad()
+                peer.step()              # merges with the peers that reach a merge too
 
-Every `merge_every` local optimizer steps the peer merges its replica with whoever else is
-merging: `parameters` takes the arithmetic mean, `ties` a TIES merge against the last merged
-model (both from `hivekeeper.swarm.merging`, all or nothing). Optimizer moments travel in the
-same tensor list as the weights when `merge_optimizer_state` is on; step counters stay local.
+(`hivekeeper.swarm.ddap.connect` takes the same arguments and also offers mode `gradients`.)
+Every `merge_every` local optimizer steps, or at every `merge_every_epochs` mark of a pass of
+`steps_per_epoch` steps, the peer merges its replica with whoever else is merging:
+`parameters` takes the arithmetic mean, `ties` a TIES merge against the last merged model
+(both from `hivekeeper.swarm.merging`, all or nothing). Optimizer moments travel in the same
+tensor list as the weights when `merge_optimizer_state` is on; step counters stay local.
 With `shift_every`, replicas also move one place around a ring every that many steps between
 merges (model shifting, `hivekeeper.swarm.model_shifting`).
 
@@ -26,10 +28,12 @@ float32 rounding.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
@@ -42,6 +46,7 @@ log = logging.getLogger("hivekeeper.merging_peer")
 
 MergeMode = Literal["parameters", "ties"]
 STATE_TIMEOUT = 30.0
+DEFAULT_MERGE_EVERY = 10
 NON_NEGATIVE_STATE = {"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum"}  # Adam(W), RMSprop, Adagrad
 
 
@@ -78,32 +83,112 @@ def state_tensors(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimi
 
 
 @dataclass(frozen=True)
+class MergeSchedule:
+    """When a replica merges, and shifts, by its local step count. Merges fall every `interval`
+    steps (a fraction): at steps ceil(k * interval), k = 1, 2, ..., so that an epoch fraction
+    keeps its merges on the marks it names instead of drifting by rounding (a quarter of a
+    10-step pass merges at steps 3, 5, 8, 10). Shifts fall every `shift_every` steps between."""
+
+    interval: Fraction
+    shift_every: Optional[int] = None
+
+    @classmethod
+    def of(cls, merge_every: Optional[int] = None, merge_every_epochs: Optional[float] = None,
+           steps_per_epoch: Optional[int] = None, shift_every: Optional[int] = None) -> "MergeSchedule":
+        """From a step count or an epoch fraction (the spec's mergeEverySteps or mergeEveryEpochs;
+        a fraction under one step merges every step); `DEFAULT_MERGE_EVERY` steps without either."""
+        if merge_every is not None and merge_every_epochs is not None:
+            raise ValueError("set merge_every or merge_every_epochs, not both")
+        if merge_every is not None and merge_every < 1:
+            raise ValueError(f"merge_every must be at least 1, got {merge_every}")
+        if merge_every_epochs is not None:
+            if merge_every_epochs <= 0 or not steps_per_epoch or steps_per_epoch < 1:
+                raise ValueError("merge_every_epochs needs a positive fraction and steps_per_epoch >= 1, got "
+                                 f"{merge_every_epochs} and {steps_per_epoch}")
+            interval = max(Fraction(1), Fraction(merge_every_epochs).limit_denominator(10**6) * steps_per_epoch)
+        else:
+            interval = Fraction(merge_every if merge_every is not None else DEFAULT_MERGE_EVERY)
+        if shift_every is not None and not 1 <= shift_every < interval:
+            raise ValueError(f"shift_every must be at least 1 and below the merge interval ({float(interval):g} "
+                             f"steps), got {shift_every}")
+        return cls(interval, shift_every)
+
+    def merges_at(self, step: int) -> bool:
+        return step >= 1 and step // self.interval > (step - 1) // self.interval
+
+    def shifts_at(self, step: int) -> bool:
+        return bool(self.shift_every) and step % self.shift_every == 0 and not self.merges_at(step)
+
+
+class WrapperPeer(abc.ABC):
+    """What the wrapper's peers share: `connect` with a DHT of their own, and `with` support.
+    A subclass takes (model, optimizer, dht, prefix, **options), and its `shutdown` calls this one."""
+
+    _own_dht: Any = None  # set by `connect`: `shutdown` stops it too
+
+    @classmethod
+    def connect(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, initial_peers: Sequence[str],
+                prefix: str, *, host: str = "0.0.0.0", **options: Any):
+        """A peer with a DHT of its own, bootstrapped from `initial_peers` (e.g. a Swarm's backbone
+        multiaddrs), that starts from the swarm's latest state (`join`)."""
+        import hivemind
+
+        dht = hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
+        try:
+            peer = cls(model, optimizer, dht, prefix, **options)
+        except BaseException:
+            dht.shutdown()
+            raise
+        peer._own_dht = dht
+        try:
+            peer.join()
+        except BaseException:
+            peer.shutdown()
+            raise
+        return peer
+
+    @abc.abstractmethod
+    def join(self) -> bool:
+        """Start from the swarm's latest state; False when there is none yet."""
+
+    def shutdown(self) -> None:
+        if self._own_dht is not None:
+            self._own_dht.shutdown()
+            self._own_dht = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+@dataclass(frozen=True)
 class MergeRecord:
     """One merge attempt, for metrics and status."""
 
-    outcome: str  # success | failure
+    outcome: str  # success | failure (mode gradients: also skipped, a step alone)
     group_size: int
     seconds: float
     step: int
     error: Optional[str] = None
 
 
-class MergingPeer:
+class MergingPeer(WrapperPeer):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dht: Any, prefix: str, *,
-                 mode: MergeMode = "parameters", merge_every: int = 10, trim: Optional[float] = None,
-                 merge_optimizer_state: bool = True, shift_every: Optional[int] = None,
-                 target_group_size: Optional[int] = None,
+                 mode: MergeMode = "parameters", merge_every: Optional[int] = None,
+                 merge_every_epochs: Optional[float] = None, steps_per_epoch: Optional[int] = None,
+                 trim: Optional[float] = None, merge_optimizer_state: bool = True,
+                 shift_every: Optional[int] = None, target_group_size: Optional[int] = None,
                  matchmaking_seconds: float = 2.0, timeout_seconds: float = 30.0,
                  on_merge: Optional[Callable[[MergeRecord], None]] = None):
         if mode not in ("parameters", "ties"):
-            raise ValueError(f"mode must be 'parameters' or 'ties', got {mode!r}")
-        if merge_every < 1:
-            raise ValueError(f"merge_every must be at least 1, got {merge_every}")
+            raise ValueError(f"mode must be 'parameters' or 'ties', got {mode!r} "
+                             "(mode 'gradients': hivekeeper.swarm.ddap.connect)")
         if trim is not None and mode != "ties":
             raise ValueError("trim applies to mode 'ties' only")
-        if shift_every is not None and not 1 <= shift_every < merge_every:
-            raise ValueError(f"shift_every must be between 1 and merge_every - 1, got {shift_every}")
-        self.model, self.optimizer, self.mode, self.merge_every = model, optimizer, mode, merge_every
+        self.schedule = MergeSchedule.of(merge_every, merge_every_epochs, steps_per_epoch, shift_every)
+        self.model, self.optimizer, self.mode = model, optimizer, mode
         self.merge_optimizer_state = merge_optimizer_state
         # A peer that finds no group gives up soon and trains on (merging at its next point):
         # the others are busy merging, or gone. A formed group gets timeout_seconds to finish.
@@ -114,10 +199,8 @@ class MergingPeer:
         tensors = self._tensors()
         self.base = [t.detach().clone() for t in tensors]  # the last merged state: TIES's reference point
         self.base_id = "initial"  # which merge made the base (members must agree on it, see the docstring)
-        self._own_dht: Any = None  # set by `connect`
         self.local_steps = 0
         self.merges = self.shifts = 0
-        self.shift_every = shift_every
         self.shifter = ModelShifter(dht, prefix, rendezvous_seconds=matchmaking_seconds,
                                     timeout=timeout_seconds) if shift_every else None
         self.last_merge: Optional[MergeRecord] = None
@@ -127,23 +210,6 @@ class MergingPeer:
         self.merger = (TiesMerger(dht, merger_prefix, tensors, trim=trim, **options) if mode == "ties"
                        else SimpleMerger(dht, merger_prefix, tensors, **options))
         self._share()
-
-    @classmethod
-    def connect(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, initial_peers: Sequence[str],
-                prefix: str, *, host: str = "0.0.0.0", **options: Any) -> "MergingPeer":
-        """A peer with a DHT of its own, bootstrapped from `initial_peers` (e.g. a Swarm's backbone
-        multiaddrs), that starts from the latest merged state; `shutdown` stops the DHT too."""
-        import hivemind
-
-        dht = hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
-        try:
-            peer = cls(model, optimizer, dht, prefix, **options)
-        except BaseException:
-            dht.shutdown()
-            raise
-        peer._own_dht = dht
-        peer.join()
-        return peer
 
     def _tensors(self) -> list[torch.Tensor]:
         return state_tensors(self.model, self.optimizer if self.merge_optimizer_state else None)
@@ -166,9 +232,9 @@ class MergingPeer:
     def step(self) -> Optional[MergeRecord]:
         """Call after each optimizer step; merges when one is due and returns what happened."""
         self.local_steps += 1
-        if self.local_steps % self.merge_every == 0:
+        if self.schedule.merges_at(self.local_steps):
             return self.merge()
-        if self.shift_every and self.local_steps % self.shift_every == 0:
+        if self.schedule.shifts_at(self.local_steps):
             self.shift()
         return None
 
@@ -248,9 +314,7 @@ class MergingPeer:
 
     def shutdown(self) -> None:
         self.merger.shutdown()
-        if self._own_dht is not None:
-            self._own_dht.shutdown()
-            self._own_dht = None
+        super().shutdown()
 
 
 def load_merged_state(dht: Any, prefix: str, model: torch.nn.Module,
@@ -278,9 +342,3 @@ def load_merged_state(dht: Any, prefix: str, model: torch.nn.Module,
         for tensor, value in zip(tensors, values):
             tensor.copy_(value)
     return dict(metadata)
-
-    def __enter__(self) -> "MergingPeer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.shutdown()

@@ -6,7 +6,6 @@ steps (DDAP), through `MergingPeer`. Reports the same fields as the gradient tra
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any
 
@@ -20,16 +19,6 @@ from hivekeeper.swarm.trainer import recent_rate
 
 log = logging.getLogger("hivekeeper.trainer")
 REPORT_INTERVAL = 1.0
-
-
-def merge_interval(spec, train_size: int, batch_size: int) -> int:
-    """Local steps between merges: mergeEverySteps, or mergeEveryEpochs of this replica's passes."""
-    averaging = spec.averaging
-    if averaging.merge_every_steps is not None:
-        return averaging.merge_every_steps
-    if averaging.merge_every_epochs is not None:
-        return max(1, math.ceil(averaging.merge_every_epochs * train_size / batch_size))
-    return 10
 
 
 def train_merging(ctx: RoleContext, task, model: torch.nn.Module, dht, batch_size: int, device,
@@ -48,8 +37,9 @@ def train_merging(ctx: RoleContext, task, model: torch.nn.Module, dht, batch_siz
         else:
             log.warning("merge failed", extra={"fields": {"step": merge.step, "error": merge.error}})
 
-    every = merge_interval(spec, task.train_size, batch_size)
-    peer = MergingPeer(model, optimizer, dht, ctx.run_id, mode=averaging.mode, merge_every=every,
+    peer = MergingPeer(model, optimizer, dht, ctx.run_id, mode=averaging.mode,
+                       merge_every=averaging.merge_every_steps, merge_every_epochs=averaging.merge_every_epochs,
+                       steps_per_epoch=task.train_size // batch_size,  # a pass drops its last partial batch
                        trim=averaging.trim, merge_optimizer_state=averaging.merge_optimizer_state,
                        shift_every=averaging.shift_every_steps,
                        target_group_size=averaging.target_group_size,
@@ -57,8 +47,9 @@ def train_merging(ctx: RoleContext, task, model: torch.nn.Module, dht, batch_siz
                        timeout_seconds=averaging.timeout_seconds, on_merge=record)
     try:
         joined = peer.join()
-        log.info("merging trainer started", extra={"fields": {"mode": averaging.mode, "merge_every": every,
-                                                              "joined_at_step": peer.local_steps if joined else 0}})
+        log.info("merging trainer started", extra={"fields": {
+            "mode": averaging.mode, "merge_every": float(peer.schedule.interval),
+            "joined_at_step": peer.local_steps if joined else 0}})
         ctx.endpoint.ready.set()
         losses: list[float] = []
         interval_loss: dict[str, Any] = {}

@@ -1,0 +1,84 @@
+"""The wrapper's `gradients` mode: a plain PyTorch loop as a DeDLOC trainer (collaborative
+large-batch SGD), with the Swarm trainer's optimizer (`hivekeeper.swarm.optimizer`).
+
+The peer's `optimizer` is hivemind's collaborative Optimizer around the user's own: its
+`step()` accumulates this peer's gradients until the collaboration has `target_batch_size`
+samples, then every peer that contributed averages the gradients and takes the same step
+with the user's optimizer. Replicas therefore hold the same weights after every global step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from hivekeeper.metrics import SwarmMetrics
+from hivekeeper.swarm.merging_peer import MergeRecord, WrapperPeer
+from hivekeeper.swarm.optimizer import make_instrumented_classes, reset_step_counters
+
+log = logging.getLogger("hivekeeper.gradient_peer")
+
+
+class GradientPeer(WrapperPeer):
+    """`step()` after each `optimizer.step()` (this peer's optimizer, not the user's) counts the
+    local batch and returns a `MergeRecord` of the averaging round when a global step was taken."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dht: Any, prefix: str, *,
+                 batch_size: int, target_batch_size: int, expected_peers: int = 1,
+                 target_group_size: Optional[int] = None, matchmaking_seconds: float = 2.0,
+                 timeout_seconds: float = 30.0, on_merge: Optional[Callable[[MergeRecord], None]] = None):
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        InstrumentedOptimizer, CountingGradientAverager = make_instrumented_classes()
+        self.model, self.on_merge = model, on_merge
+        self.metrics = SwarmMetrics()
+        self.optimizer = InstrumentedOptimizer(
+            dht=dht, run_id=prefix, optimizer=optimizer,  # pre-built: it steps the model's own parameters
+            target_batch_size=target_batch_size, batch_size_per_step=batch_size,
+            matchmaking_time=matchmaking_seconds, averaging_timeout=timeout_seconds,
+            client_mode=dht.client_mode, grad_averager_factory=CountingGradientAverager,
+            # hivemind advises a request timeout below the matchmaking time (as the Swarm trainer sets it)
+            averager_opts=dict(target_group_size=target_group_size,
+                               request_timeout=min(3.0, matchmaking_seconds / 2)),
+            # a key of its own: by default every tracker in a process signs its progress with one
+            # process-wide key, so two wrapper peers in one process would count as one peer
+            tracker_opts=dict(min_refresh_period=0.25, max_refresh_period=2.0, private_key=RSAPrivateKey()),
+            metrics=self.metrics, expected_peers=expected_peers, verbose=False)
+        reset_step_counters(optimizer)
+        self.local_steps = 0  # batches this peer contributed
+        self._epoch = self.optimizer.local_epoch
+        self._round_seen: dict[str, Any] = {}
+        self.last_merge: Optional[MergeRecord] = None
+
+    @property
+    def epoch(self) -> int:
+        """Global steps this replica has taken (hivemind's epoch, shared by the collaboration)."""
+        return self.optimizer.local_epoch
+
+    def join(self) -> bool:
+        """Catch up with the collaboration's latest state; False when no peer is ahead."""
+        before = self.optimizer.local_epoch
+        self.optimizer.load_state_from_peers()
+        self._epoch = self.optimizer.local_epoch
+        return self._epoch > before
+
+    def step(self) -> Optional[MergeRecord]:
+        self.local_steps += 1
+        if self.optimizer.local_epoch == self._epoch:
+            return None
+        self._epoch = self.optimizer.local_epoch
+        round_ = self.optimizer.last_round
+        if not round_ or round_ is self._round_seen:  # caught up by loading a peer's state: no round
+            return None
+        self._round_seen = round_
+        record = MergeRecord(round_["outcome"], round_["groupSize"], round_["seconds"], self.local_steps)
+        self.last_merge = record
+        if self.on_merge:
+            self.on_merge(record)
+        return record
+
+    def shutdown(self) -> None:
+        self.optimizer.shutdown()
+        super().shutdown()
