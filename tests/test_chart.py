@@ -135,13 +135,84 @@ def test_rbac_is_least_privilege():
     assert env["HIVEKEEPER_WATCH_NAMESPACES"] == "ml,research"
 
 
+def recording_kube(api_client):
+    """A Kube that notes each request as the (group, resource, verb) that RBAC checks; discovery
+    (GET apis/GROUP/VERSION) needs no rule."""
+    from hivekeeper_operator.kube import Kube
+
+    method_verbs = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
+
+    class Recording(Kube):
+        def __init__(self, client):
+            super().__init__(client)
+            self.requests: set[tuple[str, str, str]] = set()
+
+        def request(self, method, path, body=None, content_type=None, query=None):
+            parts = path.strip("/").split("/")
+            group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
+            if rest[:1] == ["namespaces"] and len(rest) > 2:
+                rest = rest[2:]
+            if rest:
+                resource = "/".join(rest[:1] + rest[2:3])  # plural, or plural/subresource
+                self.requests.add((group, resource, method_verbs.get(method) or ("get" if rest[1:] else "list")))
+            return super().request(method, path, body, content_type, query)
+
+    return Recording(api_client)
+
+
+# Each example, then an edit that makes the operator patch and delete children too.
+RECONCILED = [
+    ("swarm-digits.yaml", {}, {"spec": {"trainers": {"replicas": 5}, "monitor": {"enabled": False},
+                                   "stopping": {"targetMetric": None}}}),
+    ("swarm-digits-volunteers.yaml", {}, {"spec": {"trainers": {"replicas": 5}}}),
+    ("blockserver.yaml", {}, {"spec": {"servers": {"replicas": 4}, "balancer": {"enabled": False}}}),
+    ("expertpool.yaml", {"spec": {"checkpoint": {"volumeClaim": {"size": "2Gi"}}}},
+     {"spec": {"servers": {"replicas": 3}}}),
+]
+
+
 @needs_helm
-def test_rbac_covers_every_child_the_operator_writes():
-    """What the operator creates for a Swarm (hivekeeper_operator.swarm) is in the chart's rules."""
+def test_rbac_covers_every_child_the_operator_writes(tmp_path):
+    """Every request the operator's reconcilers make, for each kind (an ExpertPool with a checkpoint
+    claim among them) when it is made and when it is edited, is allowed by the chart's rules, and
+    the checkpoint claim gets exactly the verbs the operator uses. Also every child a Swarm can
+    have (`swarm.all_children`, deleted when not wanted), edit or not."""
     pytest.importorskip("kopf")
-    from hivekeeper_operator.swarm import all_children
+    pytest.importorskip("kmock")
+    import kubernetes
+
+    from conftest import EXAMPLES, deep_update
+    from hivekeeper.spec.crd import KINDS, crd
+    from hivekeeper_operator.kube import Kube
+    from hivekeeper_operator.metrics import OperatorMetrics
+    from hivekeeper_operator.reconcile import API, OperatorConfig, controllers
+    from hivekeeper_operator.swarm import WorkloadSettings, all_children
+    from hivekeeper_operator.testing import EmulatedCluster
 
     role = rules(next(d for d in render() if d["kind"] == "ClusterRole"))
+    with EmulatedCluster(tmp_path, crds=[crd(kind) for kind in sorted(KINDS)], service_monitors=True) as cluster:
+        api_client = kubernetes.config.new_client_from_config(config_file=str(cluster.kubeconfig))
+        kube, user = recording_kube(api_client), Kube(api_client)
+        config = OperatorConfig(settings=WorkloadSettings(image="hivekeeper:test"), metrics_port=None,
+                                status_reader=lambda namespace, name, url: None)
+        reconcilers = controllers(kube, config, OperatorMetrics())
+        for example, changes, edit in RECONCILED:
+            document = deep_update(yaml.safe_load((EXAMPLES / example).read_text()), changes)
+            document["metadata"]["namespace"] = "default"
+            name = document["metadata"]["name"]
+            user.create(document)
+            assert reconcilers[document["kind"]].reconcile("default", name) not in (None, "Invalid")
+            user.merge_patch(user.path(API, document["kind"], "default", name), edit)
+            assert reconcilers[document["kind"]].reconcile("default", name) not in (None, "Invalid")
+
+    made: dict[tuple[str, str], set[str]] = {}
+    for group, resource, verb in kube.requests:
+        made.setdefault((group, resource), set()).add(verb)
+    assert {"create", "patch", "delete"} <= made[("apps", "statefulsets")]  # the edits were applied
+    denied = {key: verbs - role.get(key, set()) for key, verbs in made.items() if not verbs <= role.get(key, set())}
+    assert denied == {}
+    assert role[("", "persistentvolumeclaims")] == made[("", "persistentvolumeclaims")] == {"get", "create"}
+
     plural = {"Secret": "secrets", "ConfigMap": "configmaps", "Service": "services", "StatefulSet": "statefulsets",
               "Job": "jobs", "PodDisruptionBudget": "poddisruptionbudgets", "ServiceMonitor": "servicemonitors"}
     for api_version, kind, _ in all_children("x"):

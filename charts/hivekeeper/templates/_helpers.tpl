@@ -75,6 +75,10 @@ pods themselves get no API access at all (automountServiceAccountToken: false).
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "list", "create", "patch", "delete"]
+# An ExpertPool's checkpoint claim is made once and never patched; the garbage collector deletes it.
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "create"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "create", "patch", "delete"]
