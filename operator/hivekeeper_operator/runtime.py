@@ -1,7 +1,9 @@
 """The operator process: kopf watches the hivekeeper resources and reacts to every change at
-once; a resync loop reconciles every resource every few seconds (children drift, pods become
-ready, the monitor's figures move). Both call the same reconcilers. An HTTP endpoint serves
-/metrics, /healthz and /readyz.
+once; a resync loop reconciles every resource every few seconds (pods become ready, the
+monitor's figures move, a child is deleted). Both call the same reconcilers, which re-create a
+deleted child and re-apply one whose hivekeeper.dev/applied-hash annotation differs from the
+plan's; a hand edit that leaves that annotation as it was is not seen, so it is not repaired.
+An HTTP endpoint serves /metrics, /healthz and /readyz.
 
 kopf's timers would add a finalizer to every resource (deleting one would then need a running
 operator); the resync loop needs none: children go with their owner through ownerReferences."""
