@@ -416,3 +416,26 @@ def test_expert_checkpoints_go_on_one_claim_every_server_mounts_where_it_saves()
     # No claim (the example): checkpoints stay in each pod's run directory, as before.
     none = plan({})
     assert claims(none) == [] and all(m == [] for m in mounts(none).values())
+
+
+@pytest.mark.parametrize("checkpoint", [{"volumeClaim": {}}, {"existingClaim": "lab-nfs", "dir": "/checkpoints"}],
+                         ids=["volumeClaim", "existingClaim-dir"])
+def test_an_expert_server_saves_where_the_operator_mounts_the_checkpoint_claim(checkpoint):
+    """An expert server started from the arguments the operator renders keeps its checkpoints in
+    the directory the claim is mounted at: both sides ask spec.checkpoint.directory(run dir)."""
+    from hivekeeper.experts.server import ExpertServer
+    from hivekeeper.spec import parse_manifest
+    from hivekeeper.swarm.common import RoleContext
+
+    document = yaml.safe_load((EXAMPLES / "expertpool.yaml").read_text())
+    document["spec"]["checkpoint"].update(checkpoint)
+    manifest = parse_manifest(document)
+    plan = plan_role_planned(manifest)
+    [servers] = [c for c in plan.children
+                 if c["kind"] == "StatefulSet" and c["metadata"]["name"].endswith("-expert-server")]
+    [mount] = [m for m in servers["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+               if m["name"] == "checkpoints"]
+    [config] = [c for c in plan.children if c["kind"] == "ConfigMap"]
+    args = build_parser().parse_args(
+        ["run", *launch.resolve(json.loads(config["data"]["roles.json"]), "expert-server", 0, {"POD_IP": "10.1.2.3"})])
+    assert ExpertServer(RoleContext("expert-server", args, manifest)).checkpoint_dir == Path(mount["mountPath"])

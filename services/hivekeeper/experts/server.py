@@ -37,7 +37,7 @@ class ExpertServer:
         self.ctx = ctx
         spec = ctx.spec
         self.uids = server_experts(spec, ctx.args.index)
-        self.checkpoint_dir = Path(spec.checkpoint.dir or Path(ctx.args.run_dir) / "experts")
+        self.checkpoint_dir = Path(spec.checkpoint.directory(str(ctx.args.run_dir)))
         self.backends: dict[str, ExpertBackend] = {}
         self.saved_updates: dict[str, int] = {}
         self._save_lock = threading.Lock()
