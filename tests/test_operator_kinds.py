@@ -33,6 +33,38 @@ KINDS = {  # kind -> (plural, example, name, {component: replicas}, job componen
                    {"backbone-experts": 1, "expert-server": 2}, {"expert-trainer": 1}, "expert-server"),
 }
 PVCS = "v1/persistentvolumeclaims"
+
+
+def backbone_reading(kind: str) -> dict[str, Any]:
+    """What the kind's backbone serves on /status, made by the role's own code (6 blocks all held;
+    2 servers with 8 experts each and 2 trainers), plus fields the status model does not have."""
+    from hivekeeper.blocks.backbone import coverage_figures
+    from hivekeeper.experts.backbone import pool_figures
+
+    if kind == "BlockServer":
+        reading = {**coverage_figures(6, 6, 12.5), "spans": {"block-server-0": "0-5"}}
+    else:
+        reading = pool_figures(
+            [{"role": "backbone-experts"}]
+            + [{"role": "expert-server", "experts": [f"expert.{i}.{j}" for j in range(8)]} for i in range(2)]
+            + [{"role": "expert-trainer", "step": step, "samplesPerSecond": 150.0} for step in (40, 38)])
+    return {**reading, "unknownFigure": 1, "phase": "Hacked"}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_live_printer_column_is_filled_from_the_backbones_status(kind):
+    """Each printer column the backbone's /status feeds gets a value: a figure of the wrong type
+    (servedBlocks as a count, not "held/all") would be dropped by the operator without a word."""
+    from hivekeeper.spec.crd import KINDS as KIND_INFO
+    from hivekeeper_operator.workloads import LIVE_FIGURES_EXCLUDED, live_figures
+
+    reading = backbone_reading(kind)
+    figures = live_figures(kind, reading, {})
+    live = [c.json_path.removeprefix(".status.") for c in KIND_INFO[kind].printer_columns
+            if c.json_path.startswith(".status.") and "." not in c.json_path.removeprefix(".status.")
+            and c.json_path.removeprefix(".status.") not in LIVE_FIGURES_EXCLUDED]
+    assert live and {key: figures.get(key) for key in live} == {key: reading[key] for key in live}
+    assert "unknownFigure" not in figures and "phase" not in figures
 CHILD_RESOURCES = ["v1/secrets", "v1/configmaps", "v1/services", STS, JOBS, "policy/v1/poddisruptionbudgets"]
 
 
@@ -97,8 +129,7 @@ def test_kind_reconciles_scales_completes_and_deletes(cluster, client, start_ope
     assert service["publishNotReadyAddresses"] is True
 
     # Pods become ready; the backbone's /status feeds the live figures the status model has.
-    monitor.reading = {"servedBlocks": "6/6", "numBlocks": 6, "minBlockThroughput": 12.5, "expertsAlive": 16,
-                       "step": 40, "samplesPerSecond": 300.0, "unknownFigure": 1, "phase": "Hacked"}
+    monitor.reading = backbone_reading(kind)
     for component, replicas in stateful.items():
         sts = cluster.object(STS, NS, f"{name}-{component}")
         cluster.set_status(STS, NS, f"{name}-{component}", {
@@ -116,9 +147,9 @@ def test_kind_reconciles_scales_completes_and_deletes(cluster, client, start_ope
                                    f"{sum(stateful.values()) + sum(jobs.values())}"
     assert "unknownFigure" not in status and status["phase"] == "Running"
     if kind == "BlockServer":
-        assert (status["servedBlocks"], status["minBlockThroughput"]) == ("6/6", 12.5)
+        assert (status["servedBlocks"], status["numBlocks"], status["minBlockThroughput"]) == ("6/6", 6, 12.5)
     else:
-        assert (status["expertsAlive"], status["step"]) == (16, 40)
+        assert (status["expertsAlive"], status["step"], status["samplesPerSecond"]) == (16, 40, 300.0)
 
     # kubectl scale, through the scale subresource: the servers' StatefulSet follows. Nothing else
     # rolls, and the servers only when their roles depend on the count (an expert server's share

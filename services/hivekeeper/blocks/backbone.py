@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import Any
 
 from hivekeeper.blocks import protocol
 from hivekeeper.blocks.checkpoint import num_blocks
@@ -13,6 +14,12 @@ from hivekeeper.blocks.selection import coverage, servers_per_block
 from hivekeeper.swarm.common import setup_logging
 
 log = logging.getLogger("hivekeeper.blocks.backbone")
+
+
+def coverage_figures(blocks: int, held: int, worst: float) -> dict[str, Any]:
+    """The coverage part of /status (backbone and balancer), as the BlockServer status model has
+    it: the operator copies it into the resource's status (its Blocks and Throughput columns)."""
+    return {"numBlocks": blocks, "servedBlocks": f"{held}/{blocks}", "minBlockThroughput": worst}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
                 ctx.metrics.block_servers.labels(str(block)).set(count)
             ctx.metrics.served_blocks.set(held)
             ctx.metrics.min_block_throughput.set(worst)
-            ctx.status.update(numBlocks=blocks, servedBlocks=held, minBlockThroughput=worst,
+            ctx.status.update(coverage_figures(blocks, held, worst),
                               spans={s.name: f"{s.start}-{s.end - 1}" for s in servers if s.state == protocol.ONLINE})
     finally:
         dht.shutdown()

@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 
 from hivekeeper.blocks import protocol
+from hivekeeper.blocks.backbone import coverage_figures
 from hivekeeper.blocks.checkpoint import num_blocks
 from hivekeeper.blocks.protocol import ServerInfo
 from hivekeeper.blocks.role import load_block_context
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
                 log.info("published a span plan", extra={"fields": {
                     "current_min": worst, "planned_min": float(planned.min()),
                     "assignments": {by_peer[p].name: list(span) for p, span in assignments.items()}}})
-            ctx.status.update(numBlocks=blocks, servedBlocks=held, minBlockThroughput=worst)
+            ctx.status.update(coverage_figures(blocks, held, worst))
     finally:
         dht.shutdown()
     return 0
