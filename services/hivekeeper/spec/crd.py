@@ -182,8 +182,8 @@ class ExpertPoolStatus(ResourceStatus):
     experts_hosted: Optional[int] = Field(None, ge=0, description="experts the spec spreads over the servers")
     experts_alive: Optional[int] = Field(None, ge=0, description="experts announced in the DHT and not expired")
     assignment: dict[str, list[str]] = Field(default_factory=dict, description="expert uids each server holds")
-    step: Optional[int] = Field(None, ge=0, description="trainer batches done (trainer 0)")
-    samples_per_second: Optional[float] = Field(None, ge=0, description="trainer throughput (trainer 0)")
+    step: Optional[int] = Field(None, ge=0, description="batches done by the furthest trainer")
+    samples_per_second: Optional[float] = Field(None, ge=0, description="samples/s summed over live trainers")
     loss: Optional[float] = None
     eval_metrics: dict[str, float] = Field(default_factory=dict, description="latest held-out metrics")
 
