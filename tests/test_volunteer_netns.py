@@ -36,8 +36,9 @@ MANIFEST = {  # over examples/swarm-digits-volunteers.yaml
         "targetBatchSize": 2048,
         "trainers": {"replicas": 1, "batchSize": 16},
         "auxiliary": {"replicas": 0},
-        # join requests time out at half the matchmaking time: 1 s is too tight on 2 loaded cores
-        "averaging": {"matchmakingSeconds": 5.0, "timeoutSeconds": 15, "targetGroupSize": 4},
+        # the example's matchmaking time (5 s): join requests time out at half of it, and 1 s
+        # was too tight for a volunteer on 2 loaded cores
+        "averaging": {"timeoutSeconds": 15, "targetGroupSize": 4},
         "monitor": {"evalEverySteps": 1000, "checkpointEverySteps": 1000},
         # the balancer plans the volunteer too: it cannot scrape a NATed peer's /metrics, so it
         # reads the volunteer's own DHT report
