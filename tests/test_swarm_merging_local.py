@@ -17,7 +17,7 @@ MERGING = {"spec": {
     "trainers": {"replicas": 2, "batchSize": 32},
     "averaging": {"mode": "ties", "mergeEverySteps": 5, "matchmakingSeconds": 2.0, "timeoutSeconds": 20},
     "monitor": {"evalEverySteps": 10, "checkpointEverySteps": 100},
-    "stopping": {"targetSteps": 150, "targetMetric": None},
+    "stopping": {"targetSteps": 100, "targetMetric": None},
 }}
 
 
@@ -50,7 +50,7 @@ def test_up_merges_replicas_and_a_restarted_one_joins_from_the_merged_state(tmp_
             runner.wait(30)
     assert runner.returncode == 0, err[-3000:]
     summary = json.loads(out)
-    assert summary["state"] == "completed" and summary["reason"] == "reached targetSteps=150"
+    assert summary["state"] == "completed" and summary["reason"] == "reached targetSteps=100"
     assert summary["globalStep"] >= 40  # the step of the last merged model, which the monitor evaluated
     assert summary["processes"]["trainer-1"]["restarts"] >= 1
     assert summary["metrics"]["accuracy"] > 0.8, summary["metrics"]
