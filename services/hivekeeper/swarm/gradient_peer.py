@@ -16,7 +16,8 @@ import torch
 
 from hivekeeper.metrics import SwarmMetrics
 from hivekeeper.swarm.merging_peer import MergeRecord, WrapperPeer
-from hivekeeper.swarm.optimizer import make_instrumented_classes, reset_step_counters
+from hivekeeper.swarm.optimizer import (TRACKER_REFRESH, averager_options, make_instrumented_classes,
+                                        reset_step_counters)
 
 log = logging.getLogger("hivekeeper.gradient_peer")
 
@@ -39,12 +40,10 @@ class GradientPeer(WrapperPeer):
             target_batch_size=target_batch_size, batch_size_per_step=batch_size,
             matchmaking_time=matchmaking_seconds, averaging_timeout=timeout_seconds,
             client_mode=dht.client_mode, grad_averager_factory=CountingGradientAverager,
-            # hivemind advises a request timeout below the matchmaking time (as the Swarm trainer sets it)
-            averager_opts=dict(target_group_size=target_group_size,
-                               request_timeout=min(3.0, matchmaking_seconds / 2)),
+            averager_opts=averager_options(target_group_size, matchmaking_seconds),
             # a key of its own: by default every tracker in a process signs its progress with one
             # process-wide key, so two wrapper peers in one process would count as one peer
-            tracker_opts=dict(min_refresh_period=0.25, max_refresh_period=2.0, private_key=RSAPrivateKey()),
+            tracker_opts={**TRACKER_REFRESH, "private_key": RSAPrivateKey()},
             metrics=self.metrics, expected_peers=expected_peers, verbose=False)
         reset_step_counters(optimizer)
         self.local_steps = 0  # batches this peer contributed

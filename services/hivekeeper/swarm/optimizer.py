@@ -262,6 +262,15 @@ def make_instrumented_classes():
     return InstrumentedOptimizer, CountingGradientAverager
 
 
+# how often a peer's progress record is refreshed in the DHT (hivemind's defaults are far slower)
+TRACKER_REFRESH = dict(min_refresh_period=0.25, max_refresh_period=2.0)
+
+
+def averager_options(target_group_size: Optional[int], matchmaking_seconds: float) -> dict:
+    """hivemind advises a request timeout below the matchmaking time (rare deadlocks otherwise)."""
+    return dict(target_group_size=target_group_size, request_timeout=min(3.0, matchmaking_seconds / 2))
+
+
 def make_collaborative_optimizer(
     spec: SwarmSpec,
     run_id: str,
@@ -299,10 +308,8 @@ def make_collaborative_optimizer(
         grad_averager_factory=partial(
             planned(CountingGradientAverager), wire_bytes_per_element=WIRE_BYTES_PER_ELEMENT[averaging.compression]
         ),
-        # hivemind advises a request timeout below the matchmaking time (rare deadlocks otherwise)
-        averager_opts=dict(target_group_size=averaging_group_size(spec),
-                           request_timeout=min(3.0, averaging.matchmaking_seconds / 2)),
-        tracker_opts=dict(min_refresh_period=0.25, max_refresh_period=2.0),
+        averager_opts=averager_options(averaging_group_size(spec), averaging.matchmaking_seconds),
+        tracker_opts=TRACKER_REFRESH,
         metrics=metrics,
         expected_peers=spec.trainers.replicas,  # the progress tracker counts trainers only
         verbose=False,
