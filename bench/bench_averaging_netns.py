@@ -46,15 +46,13 @@ reducer's result stream ends one or two parts short ("sent 29 parts, but we expe
 with no error logged at either end, the receiver a peer with a slow download; it has hit the
 equal, hivemind and plan splits alike, so it does not come from the plan's shares.
 
-What the prediction leaves out. The model has every peer's upload and download run at once
-at full rate. In hivemind's all-reduce an aggregator returns part k only when every sender's
-part k has arrived, while each sender pushes all its flows as fast as TCP lets it and deep
-buffers (request queue, yamux window, socket buffers) let the faster flows run ahead; TCP
-splits a peer's upload unevenly among its flows, so a bottleneck peer's averages come back
-slower than it uploads, and the rest arrives after its upload has ended. Here the slow links
-upload at line rate for about the predicted time, then download alone for a few seconds: a
-few megabytes per round, which weigh most on the shortest round, the plan's. A parameter
-server hardly shows it: each sender has one flow, so its parts arrive at its link's pace.
+Transport. Planned rounds (plan, equal, server) run hivekeeper's runner, which keeps each
+flow's unanswered parts within a window so that the answers clock the uploads (see
+`hivekeeper.swarm.planned_averaging`, "Flow window"); the hivemind arrangement runs
+hivemind's own. Without the window, a slow peer's averages came back slower than it uploaded
+(TCP splits its upload unevenly among its flows, and an aggregator answers part k only when
+every sender's part k is in), the rest arriving after its upload had ended: planned rounds
+took 1.2-1.4x the prediction. A parameter server hardly shows it: each sender has one flow.
 
 Sizes. The defaults (4 x 40 and 4 x 8 Mbit/s, 2M floats) keep the network, not the two
 shared CPU cores, the bottleneck: at 200/20 Mbit/s a round here was as much CPU as transfer.

@@ -42,7 +42,7 @@ from hivekeeper.local.supervisor import Supervisor
 from hivekeeper.spec import load_manifest
 from hivekeeper.tasks import load_task
 
-STEPS = 24
+STEPS = 20
 TRAINERS = [dict(batch_size=8, delay=0.02), dict(batch_size=16, delay=0.05), dict(batch_size=24, delay=0.02)]
 TOLERANCE = 1e-5
 LEARNING_RATE = 0.5

@@ -89,7 +89,7 @@ def test_a_planned_aggregator_stops_computing_and_rejoins(tmp_path, no_leaked_p2
         samples = status(ports["trainer-1"])["samples"]
         planned = status(ports["trainer-0"]).get("plannedRounds", 0)
         start = step()
-        wait_for(lambda: step() >= start + 3, 120, "three steps with trainer-1 aggregating")
+        wait_for(lambda: step() >= start + 2, 120, "two steps with trainer-1 aggregating")
         assert status(ports["trainer-1"])["samples"] == samples  # it computed nothing meanwhile
         assert status(ports["trainer-0"])["plannedRounds"] > planned  # rounds ran on the plan's shares
         assert status(ports["trainer-1"])["plannedRounds"] > 0
@@ -100,7 +100,7 @@ def test_a_planned_aggregator_stops_computing_and_rejoins(tmp_path, no_leaked_p2
                                      ids["auxiliary-0"]: ("auxiliary-0", False, 0.0)})
         wait_for(lambda: status(ports["trainer-1"]).get("samples", 0) > samples, 60, "trainer-1 to compute again")
         start = step()
-        wait_for(lambda: step() >= start + 2, 120, "two more steps")
+        wait_for(lambda: step() > start, 120, "a step with trainer-1 computing")
         logs = (run_dir / "logs" / "trainer-1.log").read_text()
         assert '"computes_gradients": false' in logs and '"computes_gradients": true' in logs
         assert not supervisor.poll(), "no role exited"

@@ -3,6 +3,7 @@ shares, still compute the exact mean, and fall back to hivemind's split without 
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -72,6 +73,79 @@ def test_planned_sits_right_above_decentralized_averager():
     mro = planned(GradientAverager).__mro__
     assert mro.index(GradientAverager) < mro.index(PlannedAverager) == mro.index(DecentralizedAverager) - 1
     assert planned(DecentralizedAverager) is PlannedAverager
+
+
+# --- the flow window, on the runner alone ----------------------------------------------------
+
+
+def window_runner(modes, parts_per_flow: int = 40):
+    """A planned-round runner of peer 0 in a group of two that splits 2 * parts_per_flow parts evenly;
+    no network: only its flow generator and part container are used."""
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.averaging.allreduce import AveragingMode
+    from hivemind.p2p import PeerID
+
+    from hivekeeper.swarm.planned_averaging import _PlannedRunner
+
+    peers = [PeerID(b"peer-a"), PeerID(b"peer-b")]
+
+    class P2P:
+        peer_id = peers[0]
+
+    total = 2 * parts_per_flow * PART
+    return _PlannedRunner(p2p=P2P(), servicer_type=DecentralizedAverager, prefix="t", group_id=b"g",
+                          tensors=[torch.zeros(total)], ordered_peer_ids=peers,
+                          peer_fractions=(total // 2, total // 2) if modes[0] != CLIENT else (0, total),
+                          modes=tuple(map(AveragingMode, modes)), part_size_bytes=PART * 4)
+
+
+class Flow:
+    """Pulls a flow's parts as the network would, without cancelling a pull that waits for credit."""
+
+    def __init__(self, messages):
+        self.messages, self.pending = messages, None
+
+    async def sent_until_blocked(self, wait: float = 0.3) -> int:
+        sent = 0
+        while True:
+            self.pending = self.pending or asyncio.ensure_future(self.messages.__anext__())
+            done, _ = await asyncio.wait({self.pending}, timeout=wait)
+            if not done:
+                return sent
+            self.pending = None
+            try:
+                done.pop().result()
+            except StopAsyncIteration:
+                return sent
+            sent += 1
+
+
+@pytest.mark.asyncio
+async def test_a_flow_keeps_at_most_its_window_of_parts_unanswered():
+    """A sender that runs ahead of an aggregator's other senders stops after `window` parts and
+    goes on one part per answer, so its upload goes to the flows that lag; a failed aggregator
+    releases the flow."""
+    runner = window_runner([NODE, NODE], parts_per_flow=80)
+    window = runner.window(1)
+    assert window == 5  # 80 parts / 16
+    flow = Flow(runner._generate_input_for_peer(1))
+    assert await flow.sent_until_blocked() == window
+    delta = torch.zeros(PART)
+    runner.tensor_part_container.register_processed_part(1, 0, delta)
+    runner.tensor_part_container.register_processed_part(1, 1, delta)
+    assert await flow.sent_until_blocked() == 2
+    runner.tensor_part_container.register_failed_reducer(1)
+    assert await flow.sent_until_blocked() == 80 - window - 2
+    runner.finalize()
+
+
+@pytest.mark.asyncio
+async def test_a_client_mode_sender_is_not_windowed():
+    """Aggregators answer a client-mode member only after its last part: a window would deadlock."""
+    runner = window_runner([CLIENT, NODE], parts_per_flow=20)
+    assert runner.window(1) == 4  # at least MIN_WINDOW_PARTS
+    assert await Flow(runner._generate_input_for_peer(1)).sent_until_blocked() == 40
+    runner.finalize()
 
 
 # --- real averagers --------------------------------------------------------------------------

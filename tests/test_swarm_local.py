@@ -201,7 +201,12 @@ def test_ctrl_c_stops_every_process_within_10s(tmp_path, no_leaked_p2pd):
     manifest = write_manifest(tmp_path, {**SMALL, "spec": {**SMALL["spec"], "stopping": {"targetSteps": 10_000}}})
     runner = start_up(manifest, run_dir)
     try:
-        wait_for(lambda: global_step(run_dir) >= 1, 150, "the first global step")
+        def training() -> bool:  # every trainer past its first batches: the swarm is at work
+            trainers = [port for name, port in ports(run_dir).items() if name.startswith("trainer-")]
+            return len(trainers) == 2 and all(
+                json.loads(http_get(port, "/status") or "{}").get("samples", 0) > 0 for port in trainers)
+
+        wait_for(training, 150, "both trainers to train")
         assert len(processes_of(run_dir)) >= 5
         runner.send_signal(signal.SIGINT)
         started = time.monotonic()

@@ -29,6 +29,19 @@ doubles its time, which the plan does not assume. Planned rounds therefore delay
 client-mode members only (`_PlannedRunner`), and pass the members' modes to the runner so
 that auxiliary peers aggregate without sending zeros (hivemind 1.1.12 drops the modes).
 
+Flow window. The plan assumes a peer uploads and downloads at once, at full rate. In
+hivemind's all-reduce an aggregator answers part k only when every sender's part k has
+arrived, and each sender pushes its flows to all aggregators as fast as TCP lets it, with
+megabytes of buffers (p2pd, yamux, sockets) behind each flow. TCP splits a slow peer's
+upload unevenly among its flows, so an aggregator's slowest sender holds back the answers to
+everyone, and a slow peer's averages arrive after its upload has ended: on shaped links
+(bench/bench_averaging_netns.py) planned rounds took 1.2-1.4x the plan's time. In planned
+rounds a flow therefore keeps at most `window` parts unanswered (1/16 of the flow, at least
+4): a sender that runs ahead at one aggregator waits, and its upload goes to the flows that
+lag. The answers then clock the uploads, downloads overlap them, and the rounds took
+0.95x the plan's time (measured inputs). Client-mode members, answered only after their last
+part, are not windowed.
+
 The child reports each finished round (planned or not, elements it aggregated, start and
 end, elements whose average never arrived) through a small shared array created before the
 fork: `last_round`.
@@ -60,6 +73,7 @@ __all__ = ["PLAN_KEY", "PlannedAverager", "PlannedRound", "plan_digest", "planne
 
 log = logging.getLogger("hivekeeper.planned_averaging")
 
+MIN_WINDOW_PARTS = 4
 PLAN_KEY = "hivekeeper.plan"  # marks a gathered entry: {PLAN_KEY: [digest, share], "gather": user data}
 _CLIENT, _AUX = AveragingMode.CLIENT.value, AveragingMode.AUX.value
 # fields of the shared report
@@ -115,10 +129,49 @@ class PlannedRound:
 
 
 class _PlannedRunner(AllReduceRunner):
-    """Results wait for the end of sending only for client-mode members (see the module docstring)."""
+    """Results wait for the end of sending only for client-mode members, and every flow to an
+    aggregator keeps at most `window` parts unanswered (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        container = self.tensor_part_container
+        self._answered = [0] * self.group_size  # averaged parts received back, per aggregator
+        self._credit = [asyncio.Event() for _ in range(self.group_size)]
+        register_processed, register_failed = container.register_processed_part, container.register_failed_reducer
+
+        def processed(peer_index: int, part_index: int, part) -> None:
+            register_processed(peer_index, part_index, part)
+            self._answered[peer_index] += 1
+            self._credit[peer_index].set()
+
+        def failed(peer_index: int) -> None:
+            register_failed(peer_index)
+            self._answered[peer_index] = math.inf  # never block a flow whose aggregator is gone
+            self._credit[peer_index].set()
+
+        container.register_processed_part, container.register_failed_reducer = processed, failed
 
     def should_delay_results(self, peer_id) -> bool:
         return self.modes[self.ordered_peer_ids.index(peer_id)] == AveragingMode.CLIENT
+
+    def window(self, peer_index: int) -> int:
+        """Parts a flow may have unanswered: 1/16 of it, at least 4 (enough to keep a link
+        busy while a part goes round; a part is hivemind's part_size_bytes)."""
+        return max(MIN_WINDOW_PARTS, math.ceil(self.tensor_part_container.num_parts_by_peer[peer_index] / 16))
+
+    async def _generate_input_for_peer(self, peer_index: int):
+        messages = super()._generate_input_for_peer(peer_index)
+        if self.should_delay_results(self.peer_id):  # answers come only after the last part
+            async for message in messages:
+                yield message
+            return
+        window, sent = self.window(peer_index), 0
+        async for message in messages:
+            while sent - self._answered[peer_index] >= window:
+                self._credit[peer_index].clear()
+                await self._credit[peer_index].wait()
+            yield message
+            sent += 1
 
 
 class PlannedAverager(DecentralizedAverager):
