@@ -271,6 +271,20 @@ def test_refused_client_gets_one_clear_error(gateway, swarm_key, peer_key):
         request_access("127.0.0.1:1", "not an invite", peer_key)
 
 
+def test_join_refuses_an_identity_off_the_allowlist_and_a_silent_gateway_clearly(gateway, swarm_key, tmp_path):
+    """`hivekeeper join` exits 2 with the reason on stderr, before starting anything."""
+    with socket.socket() as unused:  # a port nobody listens on
+        unused.bind(("127.0.0.1", 0))
+        silent = f"127.0.0.1:{unused.getsockname()[1]}"
+    cases = {"stranger": (gateway.address, invite(swarm_key, "mallory"), "not on this swarm's allowlist"),
+             "nobody": (silent, invite(swarm_key, "alice"), "token service does not answer")}
+    for name, (address, token, reason) in cases.items():
+        done = subprocess.run([sys.executable, "-m", "hivekeeper", "join", address, "--token", token, "--run-dir",
+                               str(tmp_path / name), "--dry-run"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and reason in done.stderr, (name, done.stderr)
+        assert not (tmp_path / name / "manifest.json").exists()
+
+
 def test_health_service_reports_serving(gateway):
     with grpc.insecure_channel(gateway.address) as channel:
         check = health_pb2_grpc.HealthStub(channel).Check

@@ -25,7 +25,7 @@ SMALL = {"spec": {
     "trainers": {"replicas": 2, "batchSize": 32},
     "auxiliary": {"replicas": 1},
     "monitor": {"evalEverySteps": 4, "checkpointEverySteps": 8},
-    "stopping": {"targetSteps": 30, "targetMetric": None},
+    "stopping": {"targetSteps": 24, "targetMetric": None},
 }}
 
 
@@ -174,7 +174,7 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
     assert runner.returncode == 0, err[-3000:]
     summary = json.loads(out)
     assert summary == json.loads((run_dir / "summary.json").read_text())
-    assert summary["state"] == "completed" and summary["globalStep"] >= 30
+    assert summary["state"] == "completed" and summary["globalStep"] >= SMALL["spec"]["stopping"]["targetSteps"]
     assert summary["restarts"] >= 1 and summary["processes"]["trainer-1"]["restarts"] >= 1
     assert summary["metrics"]["accuracy"] > 0.7, summary["metrics"]
     assert summary["wallSeconds"] > 0

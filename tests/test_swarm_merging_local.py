@@ -15,7 +15,7 @@ from test_swarm_local import crash_trainer, global_step, processes_of, start_up
 
 MERGING = {"spec": {
     "trainers": {"replicas": 2, "batchSize": 32},
-    "averaging": {"mode": "ties", "mergeEverySteps": 5, "matchmakingSeconds": 2.0, "timeoutSeconds": 20},
+    "averaging": {"mode": "ties", "mergeEverySteps": 10, "matchmakingSeconds": 2.0, "timeoutSeconds": 20},
     "monitor": {"evalEverySteps": 10, "checkpointEverySteps": 100},
     "stopping": {"targetSteps": 100, "targetMetric": None},
 }}

@@ -209,20 +209,15 @@ def contributes(cluster: Cluster, volunteer: Volunteer, mode: str) -> dict[str, 
 
 
 def test_dry_run_tells_the_mode_and_refuses_clearly(cluster, tmp_path):
-    lab = cluster.lab
-    host, port = cluster.gateway.rsplit(":", 1)
-    alice = cluster.invite()
-    runs = {  # name: namespace, address, extra arguments, gateway, invite
-        "home": (lab.home, lab.home_ip, (), cluster.gateway, alice),
-        "forced": (lab.home, lab.home_ip, ("--mode", "direct"), cluster.gateway, alice),
-        "stranger": (lab.home, lab.home_ip, (), cluster.gateway, cluster.invite("mallory")),  # invited, not allowlisted
-        "nobody": (lab.home, lab.home_ip, (), f"{host}:{int(port) + 7}", alice),
-    }
+    """Behind the NAT: relay mode, and a refusal when direct mode is demanded. (An identity off
+    the allowlist and a silent gateway: tests/test_auth.py, without namespaces.)"""
+    lab, alice = cluster.lab, cluster.invite()
+    runs = {"home": (), "forced": ("--mode", "direct")}  # name: extra arguments
 
     def dry_run(name: str) -> subprocess.CompletedProcess:
-        ns, address, extra, gateway, invite = runs[name]
-        return lab.run(ns, [sys.executable, "-m", "hivekeeper", "join", gateway, "--token", invite, "--run-dir",
-                            str(tmp_path / name), "--host", address, "--dry-run", *extra], check=False, timeout=150)
+        return lab.run(lab.home, [sys.executable, "-m", "hivekeeper", "join", cluster.gateway, "--token", alice,
+                                  "--run-dir", str(tmp_path / name), "--host", lab.home_ip, "--dry-run", *runs[name]],
+                       check=False, timeout=150)
 
     with ThreadPoolExecutor(len(runs)) as pool:
         done = dict(zip(runs, pool.map(dry_run, runs)))
@@ -230,10 +225,6 @@ def test_dry_run_tells_the_mode_and_refuses_clearly(cluster, tmp_path):
     assert done["home"].returncode == 0 and mode == "relay" and "relay mode" in done["home"].stderr, \
         done["home"].stderr
     assert done["forced"].returncode == 2 and "cannot run in direct mode" in done["forced"].stderr, done["forced"].stderr
-    assert done["stranger"].returncode == 2 and "not on this swarm's allowlist" in done["stranger"].stderr, \
-        done["stranger"].stderr
-    assert done["nobody"].returncode == 2 and "token service does not answer" in done["nobody"].stderr, \
-        done["nobody"].stderr
 
 
 def test_a_peer_without_a_token_gets_nothing(cluster):
