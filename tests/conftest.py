@@ -1,4 +1,5 @@
-"""Shared helpers: manifests written to tmp dirs, and a check that no p2pd outlives a test."""
+"""Shared helpers: manifests written to tmp dirs, a Swarm optimizer peer for forked test
+processes, and a check that no p2pd outlives a test."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import copy
 import os
 import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import pytest
 import yaml
@@ -86,3 +88,43 @@ def no_leaked_p2pd():
         except ProcessLookupError:
             pass
     assert not leaked, f"p2pd processes leaked: {sorted(leaked)}"
+
+
+@contextmanager
+def optimizer_peer(manifest_path: str, run_id: str, initial_peers: Sequence[str] = (), batch_size: int = 16,
+                   announce=None) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """A Swarm trainer's optimizer on the manifest's digits task, with a DHT of its own, for a
+    peer forked off by a test (hivemind signs progress with one key per process, so two
+    optimizers in one process count as one peer). `announce(maddrs)` is called once the DHT is
+    up. Yields (task, model, metrics, optimizer); everything is shut down on exit."""
+    import hivemind
+    import torch
+
+    from hivekeeper.metrics import SwarmMetrics
+    from hivekeeper.spec import load_manifest
+    from hivekeeper.swarm.optimizer import make_collaborative_optimizer
+    from hivekeeper.tasks import load_task
+
+    manifest = load_manifest(manifest_path)
+    task = load_task("digits", manifest.spec.task.options)
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers))
+    if announce is not None:
+        announce([str(a) for a in dht.get_visible_maddrs()])
+    torch.manual_seed(0)
+    model, metrics = task.build_model(), SwarmMetrics()
+    opt = make_collaborative_optimizer(manifest.spec, run_id, dht, model, metrics, batch_size=batch_size)
+    try:
+        yield task, model, metrics, opt
+    finally:
+        opt.shutdown()
+        dht.shutdown()
+
+
+def stop_processes(*processes) -> None:
+    """Joins forked test processes, killing any that do not exit within 30 s."""
+    for process in processes:
+        if process is not None:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+                process.join(5)

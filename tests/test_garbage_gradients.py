@@ -13,28 +13,16 @@ import queue
 
 import pytest
 
-from conftest import write_manifest
+from conftest import optimizer_peer, stop_processes, write_manifest
 
 EPOCHS = 3
 
 
 def _peer(manifest_path: str, garbage: bool, initial_peers: list[str], out: mp.Queue) -> None:
-    import hivemind
     import torch
 
-    from hivekeeper.metrics import SwarmMetrics
-    from hivekeeper.spec import load_manifest
-    from hivekeeper.swarm.optimizer import make_collaborative_optimizer
-    from hivekeeper.tasks import load_task
-
-    manifest = load_manifest(manifest_path)
-    task = load_task("digits", manifest.spec.task.options)
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers)
-    out.put(("maddrs", [str(a) for a in dht.get_visible_maddrs()]))
-    torch.manual_seed(0)
-    model, metrics = task.build_model(), SwarmMetrics()
-    opt = make_collaborative_optimizer(manifest.spec, "garbage", dht, model, metrics, batch_size=16)
-    try:
+    with optimizer_peer(manifest_path, "garbage", initial_peers,
+                        announce=lambda maddrs: out.put(("maddrs", maddrs))) as (task, model, metrics, opt):
         batch = task.train_batch(list(range(16)))
         while opt.local_epoch < EPOCHS:
             loss = task.loss(model, batch)
@@ -47,9 +35,6 @@ def _peer(manifest_path: str, garbage: bool, initial_peers: list[str], out: mp.Q
                   for outcome in ("success", "failure", "skipped")}
         finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
         out.put(("done", {"finite": finite, "rounds": rounds}))
-    finally:
-        opt.shutdown()
-        dht.shutdown()
 
 
 @pytest.mark.swarm
@@ -77,9 +62,4 @@ def test_non_finite_gradients_from_a_peer_are_refused(tmp_path, no_leaked_p2pd):
         # It met the garbage peer (its gradients reached the group) and refused the average.
         assert result["rounds"]["failure"] >= 1, result
     finally:
-        for process in (honest, garbage):
-            if process is not None:
-                process.join(30)
-                if process.is_alive():
-                    process.kill()
-                    process.join(5)
+        stop_processes(honest, garbage)

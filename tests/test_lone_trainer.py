@@ -1,9 +1,7 @@
 """A trainer alone in its swarm steps on its own gradients without ever scheduling an
 averaging round: hivemind would schedule one before every epoch's end and cancel it, and such
 a cancel racing matchmaking once left a lone trainer unable to group with peers that joined
-later (see InstrumentedOptimizer._maybe_schedule_gradient_averaging).
-
-The peer runs in a process of its own: hivemind signs progress with one key per process."""
+later (see InstrumentedOptimizer._maybe_schedule_gradient_averaging)."""
 
 from __future__ import annotations
 
@@ -12,34 +10,20 @@ import queue
 
 import pytest
 
-from conftest import write_manifest
+from conftest import optimizer_peer, stop_processes, write_manifest
 
 EPOCHS = 4
 
 
 def _lone_peer(manifest_path: str, out: mp.Queue) -> None:
-    import hivemind
-    import torch
+    with optimizer_peer(manifest_path, "lone") as (task, model, metrics, opt):
+        scheduled, schedule_step = [], opt.grad_averager.schedule_step
 
-    from hivekeeper.metrics import SwarmMetrics
-    from hivekeeper.spec import load_manifest
-    from hivekeeper.swarm.optimizer import make_collaborative_optimizer
-    from hivekeeper.tasks import load_task
+        def counting_schedule_step(*args, **kwargs):
+            scheduled.append(opt.local_epoch)
+            return schedule_step(*args, **kwargs)
 
-    manifest = load_manifest(manifest_path)
-    task = load_task("digits", manifest.spec.task.options)
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    torch.manual_seed(0)
-    model, metrics = task.build_model(), SwarmMetrics()
-    opt = make_collaborative_optimizer(manifest.spec, "lone", dht, model, metrics, batch_size=16)
-    scheduled, schedule_step = [], opt.grad_averager.schedule_step
-
-    def counting_schedule_step(*args, **kwargs):
-        scheduled.append(opt.local_epoch)
-        return schedule_step(*args, **kwargs)
-
-    opt.grad_averager.schedule_step = counting_schedule_step
-    try:
+        opt.grad_averager.schedule_step = counting_schedule_step
         batch, steps = task.train_batch(list(range(16))), 0
         while opt.local_epoch < EPOCHS:
             task.loss(model, batch).backward()
@@ -48,9 +32,6 @@ def _lone_peer(manifest_path: str, out: mp.Queue) -> None:
             steps += 1
         skipped = metrics.averaging_rounds.labels("skipped")._value.get()
         out.put({"scheduled": scheduled, "steps": steps, "skipped": skipped, "epoch": opt.local_epoch})
-    finally:
-        opt.shutdown()
-        dht.shutdown()
 
 
 @pytest.mark.swarm
@@ -68,9 +49,6 @@ def test_a_lone_trainer_steps_alone_and_schedules_no_round(tmp_path, no_leaked_p
     except queue.Empty:
         pytest.fail("the lone peer did not finish its epochs")
     finally:
-        peer.join(30)
-        if peer.is_alive():
-            peer.kill()
-            peer.join()
+        stop_processes(peer)
     assert result["epoch"] >= EPOCHS and result["skipped"] >= EPOCHS - 1, result  # it stepped alone
     assert result["scheduled"] == [], result
