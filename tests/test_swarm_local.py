@@ -25,7 +25,7 @@ SMALL = {"spec": {
     "trainers": {"replicas": 2, "batchSize": 32},
     "auxiliary": {"replicas": 1},
     "monitor": {"evalEverySteps": 4, "checkpointEverySteps": 8},
-    "stopping": {"targetSteps": 24, "targetMetric": None},
+    "stopping": {"targetSteps": 30, "targetMetric": None},
 }}
 
 
