@@ -14,6 +14,10 @@ from typing import Any, Iterator, Sequence
 import pytest
 import yaml
 
+# The real-cluster tier's fixtures (tests/e2e/): a plugin, since a second conftest.py would
+# replace this one under the module name `conftest` that the tests import from.
+pytest_plugins = ["e2e.support"]
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 

@@ -24,7 +24,7 @@ import yaml  # noqa: E402
 from conftest import EXAMPLES, deep_update  # noqa: E402
 from conftest import wait_for as poll_until  # noqa: E402
 from hivekeeper.spec.crd import KINDS, crd, jsonschema_for  # noqa: E402
-from hivekeeper_operator import identity  # noqa: E402
+from hivekeeper_operator import identity, readers  # noqa: E402
 from hivekeeper_operator.kube import Kube  # noqa: E402
 from hivekeeper.local.network import free_port  # noqa: E402
 from hivekeeper_operator.reconcile import OperatorConfig  # noqa: E402
@@ -389,6 +389,43 @@ def test_completed_run_stops_the_peers(cluster, client, start_operator):
     for component in ("backbone", "trainer", "auxiliary"):
         assert cluster.object(STS, NS, f"digits-{component}")["spec"]["replicas"] == 0, component
     assert cluster.object(JOBS, NS, "digits-monitor") is not None  # kept: its logs tell how it ended
+
+
+def test_completed_run_shows_the_monitors_final_figures(cluster, client, start_operator, monitor):
+    """The monitor evaluates once more as it finishes, after the operator's last read of its
+    /status: the status ends with its final report (the Job pod's termination message)."""
+    start_operator()
+    apply_swarm(client, example())
+    wait_for(lambda: all_children_made(cluster), what="children")
+    monitor.reading = {"globalStep": 41, "loss": 0.31, "evalMetrics": {"accuracy": 0.95}, "samplesPerSecond": 412.6}
+    become_ready(cluster)
+    wait_for(lambda: swarm(cluster).get("status", {}).get("globalStep") == 41, what="the live figures")
+
+    job = cluster.object(JOBS, NS, "digits-monitor")
+    final = {"globalStep": 45, "reason": "target accuracy reached", "metrics": {"accuracy": 0.969},
+             "losses": {"44": 0.2, "45": 0.18}}
+    Kube(client).create({  # what the Job controller and the kubelet would have made of the monitor's pod
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "digits-monitor-x7k2p", "namespace": NS,
+                     "labels": job["spec"]["template"]["metadata"]["labels"],
+                     "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": "digits-monitor",
+                                          "uid": job["metadata"]["uid"], "controller": True}]},
+        "spec": job["spec"]["template"]["spec"],
+        "status": {"phase": "Succeeded", "containerStatuses": [{"name": "monitor", "state": {"terminated": {
+            "exitCode": 0, "reason": "Completed", "finishedAt": "2026-01-01T00:10:00Z",
+            "message": readers.final_report_message(final)}}}]}})
+    monitor.reading = None  # gone with its pod
+    cluster.set_status(JOBS, NS, "digits-monitor", {
+        "succeeded": 1, "active": 0, "conditions": [{"type": "Complete", "status": "True"}]})
+
+    done = wait_for(lambda: (s := swarm(cluster))["status"]["phase"] == "Succeeded"
+                    and s["status"].get("globalStep") == 45 and s, what="the final figures")
+    status = done["status"]
+    assert status["evalMetrics"] == {"accuracy": 0.969} and status["loss"] == 0.18
+    assert status["samplesPerSecond"] == 412.6  # the last live reading's, the report has none
+    time.sleep(1.0)  # several more resyncs: the final figures stay
+    assert swarm(cluster)["status"]["globalStep"] == 45
+    jsonschema.validate(swarm(cluster), jsonschema_for("Swarm"))
 
 
 def test_service_monitor_only_when_its_crd_exists(service_monitor_cluster, start_operator):

@@ -6,6 +6,7 @@ status from the workloads and the backbone's /status, scaling, completion and de
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -13,6 +14,8 @@ import pytest
 pytest.importorskip("kopf", reason="the operator extra is not installed (pip install -e '.[operator,operator-test]')")
 pytest.importorskip("kmock", reason="the operator-test extra is not installed (pip install -e '.[operator-test]')")
 
+from hivekeeper_operator import readers  # noqa: E402
+from hivekeeper_operator.kube import Kube  # noqa: E402
 from test_operator import (  # noqa: E402,F401  (fixtures)
     JOBS,
     NS,
@@ -166,6 +169,20 @@ def test_kind_reconciles_scales_completes_and_deletes(cluster, client, start_ope
     assert rolled == ({scaled} if kind == "ExpertPool" else set()), rolled
 
     # The roles that end the run succeed: the run is over, its peers stop.
+    job_uids = {c: cluster.object(JOBS, NS, f"{name}-{c}")["metadata"]["uid"] for c in jobs}
+    final = {"globalStep": 1234, "reason": "target accuracy reached", "metrics": {"accuracy": 0.93}}
+    for component in jobs:  # what the Job controller and the kubelet make of the role's pod
+        job = cluster.object(JOBS, NS, f"{name}-{component}")
+        Kube(client).create({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"{name}-{component}-0-x7k2p", "namespace": NS,
+                         "labels": job["spec"]["template"]["metadata"]["labels"],
+                         "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"],
+                                              "uid": job["metadata"]["uid"], "controller": True}]},
+            "spec": job["spec"]["template"]["spec"],
+            "status": {"phase": "Succeeded", "containerStatuses": [{"name": component, "state": {"terminated": {
+                "exitCode": 0, "reason": "Completed", "finishedAt": "2026-01-01T00:10:00Z",
+                "message": readers.final_report_message(final)}}}]}})
     for component, count in jobs.items():
         cluster.set_status(JOBS, NS, f"{name}-{component}", {
             "succeeded": count, "completedIndexes": f"0-{count - 1}" if count > 1 else "0",
@@ -173,6 +190,16 @@ def test_kind_reconciles_scales_completes_and_deletes(cluster, client, start_ope
     wait_for(lambda: (cluster.object(f"hivekeeper.dev/v1alpha1/{plural}", NS, name).get("status") or {})
              .get("phase") == "Succeeded", what="Succeeded")
     assert all(cluster.object(STS, NS, f"{name}-{c}")["spec"]["replicas"] == 0 for c in stateful)
+    # Its Jobs are suspended in place, never replaced: a new Job would run the roles again (on a
+    # real cluster the operator looped: replaced, re-ran, completed, replaced...).
+    wait_for(lambda: all(cluster.object(JOBS, NS, f"{name}-{c}")["spec"].get("suspend") for c in jobs),
+             what="the Jobs suspended")
+    time.sleep(1.0)  # several resyncs
+    assert {c: cluster.object(JOBS, NS, f"{name}-{c}")["metadata"]["uid"] for c in jobs} == job_uids
+    status = cluster.object(f"hivekeeper.dev/v1alpha1/{plural}", NS, name)["status"]
+    assert status["phase"] == "Succeeded"
+    if kind == "ExpertPool":  # the trainer's last figures, not the backbone's last reading (step 40)
+        assert (status["step"], status["evalMetrics"]) == (1234, {"accuracy": 0.93})
 
     custom(client).delete_namespaced_custom_object("hivekeeper.dev", "v1alpha1", NS, plural, name)
     wait_for(lambda: not children(cluster, name), what="the children to go with their owner")

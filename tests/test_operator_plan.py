@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -20,11 +23,12 @@ pytest.importorskip("kopf", reason="the operator extra is not installed (pip ins
 from conftest import EXAMPLES, REPO  # noqa: E402
 from hivekeeper.cli import build_parser  # noqa: E402
 from hivekeeper.spec import load_manifest  # noqa: E402
-from hivekeeper_operator import launch  # noqa: E402
+from hivekeeper_operator import launch, readers  # noqa: E402
 from hivekeeper_operator.conditions import Cond, render_conditions  # noqa: E402
 from hivekeeper_operator.network import KubernetesNetwork  # noqa: E402
 from hivekeeper_operator import volunteers  # noqa: E402
 from hivekeeper_operator.swarm import (  # noqa: E402
+    COMPONENTS,
     CONFIG_HASH,
     Observed,
     VolunteerAccess,
@@ -136,6 +140,85 @@ def test_launcher_picks_the_pods_own_role(tmp_path, capsys):
     assert launch.expand("$(POD_IP)/$(UNSET)", {"POD_IP": "1.2.3.4"}) == "1.2.3.4/$(UNSET)"
 
 
+# Stands in for `hivekeeper run ROLE ... --run-dir DIR`: finishes the run (writes result.json,
+# exits 0), fails, or serves until SIGTERM (exits 0 then, without a result, as the monitor does).
+FAKE_ROLE = """#!/bin/sh
+while [ $# -gt 0 ]; do [ "$1" = --run-dir ] && run_dir=$2; shift; done
+case "$FAKE_ROLE" in
+  finish) cp "$FAKE_RESULT" "$run_dir/result.json"; exit 0 ;;
+  fail) cp "$FAKE_RESULT" "$run_dir/result.json"; exit 3 ;;
+  serve) trap 'exit 0' TERM; touch "$run_dir/started"; while :; do sleep 0.1; done ;;
+esac
+"""
+FINAL = {"globalStep": 45, "reason": "target accuracy 0.95 reached", "metrics": {"accuracy": 0.969},
+         "checkpoint": "/var/lib/hivekeeper/checkpoints/final.pt",
+         "losses": {str(step): round(2.3 / step, 6) for step in range(1, 46)}}
+
+
+@pytest.fixture
+def fake_role(tmp_path, monkeypatch):
+    """A `hivekeeper` on PATH, the roles file of a monitor pod, and its run dir."""
+    bin_dir, run_dir = tmp_path / "bin", tmp_path / "run"
+    bin_dir.mkdir()
+    run_dir.mkdir()
+    (bin_dir / "hivekeeper").write_text(FAKE_ROLE)
+    (bin_dir / "hivekeeper").chmod(0o755)
+    (tmp_path / "result.json").write_text(json.dumps(FINAL))
+    roles = tmp_path / "roles.json"
+    roles.write_text(json.dumps({"monitor-0": {"component": "monitor",
+                                               "args": ["monitor", "--index", "0", "--run-dir", str(run_dir)]}}))
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_RESULT", str(tmp_path / "result.json"))
+    return ["--component", "monitor", "--index", "0", "--roles", str(roles),
+            "--termination-log", str(tmp_path / "termination-log")], run_dir, tmp_path / "termination-log"
+
+
+def test_a_finished_monitor_leaves_its_final_report_in_the_termination_message(fake_role, monkeypatch):
+    args, run_dir, termination_log = fake_role
+    (run_dir / "result.json").write_text("{}")  # an earlier container's, in the same emptyDir
+    monkeypatch.setenv("FAKE_ROLE", "finish")
+    assert launch.main(args) == 0
+    report = readers.parse_final_report(termination_log.read_text())
+    assert report == {"globalStep": 45, "reason": "target accuracy 0.95 reached", "metrics": {"accuracy": 0.969},
+                      "loss": FINAL["losses"]["45"], "lossStep": 45}
+    pod = {"metadata": {"ownerReferences": [{"kind": "Job", "uid": "job-1"}]},
+           "status": {"containerStatuses": [{"state": {"terminated": {
+               "exitCode": 0, "finishedAt": "2026-01-01T00:00:00Z", "message": termination_log.read_text()}}}]}}
+    assert readers.final_report_of([pod], "job-1") == report
+    assert readers.final_report_of([pod], "another-job") is None
+
+    termination_log.unlink()
+    monkeypatch.setenv("FAKE_ROLE", "fail")
+    assert launch.main(args) == 3  # the Job controller sees the role's own exit code
+    assert not termination_log.exists()
+    assert launch.ends_run("trainer", {"JOB_COMPLETION_INDEX": "0"}) and not launch.ends_run("trainer", {})
+
+
+def test_a_final_report_fits_a_termination_message():
+    """The kubelet keeps 4 KiB of it: a long run's loss curve stays out, its last loss in."""
+    long_run = {**FINAL, "losses": {str(step): 0.123456789 for step in range(1, 100_001)},
+                "metrics": {f"metric{i}": 0.5 for i in range(500)}}
+    message = readers.final_report_message(long_run)
+    assert len(message.encode()) <= readers.MESSAGE_LIMIT
+    assert readers.parse_final_report(message) == {"globalStep": 45, "loss": 0.123456789, "lossStep": 100_000}
+
+
+def test_the_launcher_of_a_job_pod_passes_sigterm_on(fake_role, tmp_path):
+    args, run_dir, termination_log = fake_role
+    env = {**os.environ, "FAKE_ROLE": "serve"}
+    process = subprocess.Popen([sys.executable, "-m", "hivekeeper_operator.launch", *args], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not (run_dir / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(10) == 0
+        assert not termination_log.exists()  # stopped, not finished: nothing to report
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
 def test_scaling_changes_no_pod_template_and_completion_stops_every_peer():
     manifest, plan = plan_for(EXAMPLES / "swarm-digits.yaml")
     templates = {c["metadata"]["name"]: c["spec"]["template"] for c in plan.children if c["kind"] == "StatefulSet"}
@@ -196,7 +279,7 @@ def test_dockerfile_builds_one_non_root_image_with_the_hivekeeper_entrypoint():
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11", text, re.M)
     pinned = re.search(r'"torch==([\d.]+)"', (REPO / "pyproject.toml").read_text()).group(1)
     assert re.search(rf"^ARG TORCH_VERSION={re.escape(pinned)}$", text, re.M)
-    assert '".[operator]"' in text and "--only-binary=hivemind" in text
+    assert '["optional-dependencies"]["operator"]' in text and "--only-binary=hivemind" in text
 
 
 def test_the_entrypoints_start():
@@ -439,3 +522,24 @@ def test_an_expert_server_saves_where_the_operator_mounts_the_checkpoint_claim(c
     args = build_parser().parse_args(
         ["run", *launch.resolve(json.loads(config["data"]["roles.json"]), "expert-server", 0, {"POD_IP": "10.1.2.3"})])
     assert ExpertServer(RoleContext("expert-server", args, manifest)).checkpoint_dir == Path(mount["mountPath"])
+
+
+@pytest.mark.parametrize("section, change, restarted", [
+    ("trainers", {"batchSize": 24}, {"trainer", "balancer"}),
+    ("monitor", {"evalEverySteps": 7}, {"monitor"}),
+    ("auxiliary", {"bandwidth": {"uploadMbps": 50}}, {"auxiliary", "balancer"}),
+    ("optimizer", {"learningRate": 0.01}, set(COMPONENTS)),  # read by every component
+])
+def test_a_spec_change_restarts_only_the_components_that_read_it(tmp_path, section, change, restarted):
+    """A pod rolls when its template's config hash changes: a section one component reads alone
+    moves only that component's hash (the real cluster showed a trainer batch size restarting
+    the backbone, the auxiliaries and the monitor's run)."""
+    document = yaml.safe_load((EXAMPLES / "swarm-digits.yaml").read_text())
+    document["spec"].setdefault("balancer", {})["enabled"] = True
+    before = tmp_path / "before.yaml"
+    before.write_text(yaml.safe_dump(document))
+    document["spec"][section] = {**document["spec"].get(section, {}), **change}
+    after = tmp_path / "after.yaml"
+    after.write_text(yaml.safe_dump(document))
+    old, new = plan_for(before)[1].hashes, plan_for(after)[1].hashes
+    assert {c for c in old if old[c] != new[c]} == restarted

@@ -68,12 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         service_monitors=args.service_monitors,
         kubeconfig=args.kubeconfig,
     )
-    operator = Operator(config)
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: operator.stop_flag.set())
-    operator.run()
+    Operator(config).run()  # until SIGTERM or SIGINT
     return 0
 
 

@@ -19,6 +19,11 @@ log = logging.getLogger("hivekeeper.operator")
 
 MANAGED_BY = "hivekeeper-operator"
 HASH_ANNOTATION = "hivekeeper.dev/applied-hash"
+# On a replaced kind (a Job): the hash of its immutable pod template. A change that leaves the
+# template as it is (a finished run's `suspend`) is patched: replacing the Job would start the
+# run over, and on a real cluster the operator then looped, suspending and re-running it.
+TEMPLATE_HASH_ANNOTATION = "hivekeeper.dev/template-hash"
+MUTABLE_SPEC_FIELDS = {"Job": ("suspend", "parallelism")}
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 
 # apiVersion/kind -> (API prefix, plural)
@@ -27,6 +32,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, str]] = {
     ("v1", "Secret"): ("api/v1", "secrets"),
     ("v1", "Service"): ("api/v1", "services"),
     ("v1", "PersistentVolumeClaim"): ("api/v1", "persistentvolumeclaims"),
+    ("v1", "Pod"): ("api/v1", "pods"),
     ("apps/v1", "StatefulSet"): ("apis/apps/v1", "statefulsets"),
     ("apps/v1", "Deployment"): ("apis/apps/v1", "deployments"),
     ("batch/v1", "Job"): ("apis/batch/v1", "jobs"),
@@ -106,9 +112,12 @@ class Kube:
         path = f"{base}/{name}" if name else base
         return f"{path}/{subresource}" if subresource else path
 
-    def list(self, api_version: str, kind: str, namespace: str | None = None) -> list[dict]:
-        """Every object of a kind, in one namespace or (namespace None) the whole cluster."""
-        return list((self.request("GET", self.path(api_version, kind, namespace)) or {}).get("items") or [])
+    def list(self, api_version: str, kind: str, namespace: str | None = None,
+             selector: str | None = None) -> list[dict]:
+        """Every object of a kind (with these labels), in one namespace or (namespace None) the whole cluster."""
+        query = {"labelSelector": selector} if selector else None
+        listing = self.request("GET", self.path(api_version, kind, namespace), query=query)
+        return list((listing or {}).get("items") or [])
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
         try:
@@ -210,9 +219,11 @@ class Applier:
     def apply(self, desired: dict) -> ApplyResult:
         desired = json.loads(json.dumps(desired))
         meta = desired["metadata"]
+        api_version, kind, namespace, name = desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"]
+        if kind in self.recreate_kinds:
+            meta.setdefault("annotations", {})[TEMPLATE_HASH_ANNOTATION] = object_hash(desired["spec"]["template"])
         digest = object_hash(desired)
         meta.setdefault("annotations", {})[HASH_ANNOTATION] = digest
-        api_version, kind, namespace, name = desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"]
         live = self.kube.get(api_version, kind, namespace, name)
         if live is None:
             return self._create(desired)
@@ -227,12 +238,28 @@ class Applier:
                                f"{live_owner.get('name')!r}")
         if (live_meta.get("annotations") or {}).get(HASH_ANNOTATION) == digest or kind in self.create_only_kinds:
             return ApplyResult(kind, name, "unchanged", live)
+        ops = self._metadata_ops(meta, live_meta)
         if kind in self.recreate_kinds:
-            self.kube.delete(api_version, kind, namespace, name)
-            self.on_write(kind, "delete")
-            result = self._create(desired)
-            result.action = "replaced"
-            return result
+            same_template = (live_meta.get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION) == \
+                meta["annotations"][TEMPLATE_HASH_ANNOTATION]
+            if not same_template:
+                self.kube.delete(api_version, kind, namespace, name)
+                self.on_write(kind, "delete")
+                result = self._create(desired)
+                result.action = "replaced"
+                return result
+            ops += [{"op": "add", "path": f"/spec/{field}", "value": desired["spec"][field]}
+                    for field in MUTABLE_SPEC_FIELDS.get(kind, ()) if field in desired["spec"]]
+        else:
+            ops += [{"op": "add", "path": f"/{field}", "value": value} for field, value in desired.items()
+                    if field not in ("apiVersion", "kind", "metadata", "status")]
+        live = self.kube.json_patch(api_version, kind, namespace, name, ops)
+        self.on_write(kind, "patch")
+        return ApplyResult(kind, name, "patched", live)
+
+    @staticmethod
+    def _metadata_ops(meta: dict, live_meta: dict) -> list[dict]:
+        """Our labels, annotations and owners onto the live object, keeping everyone else's."""
         ops = []
         for field in ("labels", "annotations"):
             if live_meta.get(field) is None:
@@ -240,13 +267,7 @@ class Applier:
             for key, value in (meta.get(field) or {}).items():
                 ops.append({"op": "add", "path": f"/metadata/{field}/{_pointer(key)}", "value": value})
         ops.append({"op": "add", "path": "/metadata/ownerReferences", "value": meta.get("ownerReferences", [])})
-        for field, value in desired.items():
-            if field in ("apiVersion", "kind", "metadata", "status"):
-                continue
-            ops.append({"op": "add", "path": f"/{field}", "value": value})
-        live = self.kube.json_patch(api_version, kind, namespace, name, ops)
-        self.on_write(kind, "patch")
-        return ApplyResult(kind, name, "patched", live)
+        return ops
 
     def _create(self, desired: dict) -> ApplyResult:
         meta = desired["metadata"]

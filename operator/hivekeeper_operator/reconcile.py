@@ -19,7 +19,7 @@ from hivekeeper.spec import parse_manifest
 from hivekeeper.spec.crd import KINDS
 
 from hivekeeper.kinds import runtime
-from hivekeeper_operator import identity, swarm, volunteers, workloads
+from hivekeeper_operator import identity, readers, swarm, volunteers, workloads
 from hivekeeper_operator.conditions import now_rfc3339
 from hivekeeper_operator.kube import Applier, Kube, KubeError, NameConflict, register_resource
 from hivekeeper_operator.metrics import OperatorMetrics
@@ -57,6 +57,7 @@ class Reconciler:
         self.applier = Applier(kube, on_write=lambda child, action: metrics.writes.labels(self.kind, child, action).inc())
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        self._unreported: set[tuple[str, str]] = set()  # resources whose final report could not be read
 
     @property
     def plural(self) -> str:
@@ -105,6 +106,22 @@ class Reconciler:
                               {"status": changes})
         self.metrics.status_writes.labels(self.kind).inc()
         return True
+
+
+    def final_report(self, namespace: str, name: str, component: str,
+                     job: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A finished Job's final report (its run's last figures), from the termination message
+        of the Job's pod: the role's result.json went with the pod's emptyDir."""
+        selector = f"{swarm.LABEL_SWARM}={name},{swarm.LABEL_COMPONENT}={component}"
+        try:
+            pods = self.kube.list("v1", "Pod", namespace, selector=selector)
+        except KubeError as e:  # e.g. 403: the status keeps the last live figures
+            if (namespace, name) not in self._unreported:  # once, not at every resync
+                self._unreported.add((namespace, name))
+                log.warning("cannot read a finished role's final report",
+                            extra={"fields": {"resource": f"{self.kind} {namespace}/{name}", "error": str(e)}})
+            return None
+        return readers.final_report_of(pods, ((job or {}).get("metadata") or {}).get("uid"))
 
 
 class SwarmReconciler(Reconciler):
@@ -190,11 +207,13 @@ class SwarmReconciler(Reconciler):
                 namespace, name, monitor_url(name, namespace, settings.cluster_domain))
             self.metrics.monitor_reads.labels("ok" if observed.monitor else "unavailable").inc()
 
+        if completed:
+            observed.final_report = self.final_report(namespace, name, "monitor", job)
+
         status = swarm.swarm_status(generation=generation, previous=obj.get("status"), now=now, plan=plan,
                                     observed=observed, completed=completed, settings=settings, swarm=name)
         self.write_status(obj, status)
         return status["phase"]
-
 
     def _volunteer_access(self, obj: dict[str, Any], manifest: Any, peer_ids: list[str], balancer_id: str | None,
                           ids: dict[str, str]) -> "swarm.VolunteerAccess":
@@ -279,6 +298,10 @@ class WorkloadReconciler(Reconciler):
         status = workloads.workload_status(
             kind=self.kind, generation=generation, previous=obj.get("status"), now=now, plan=plan, workloads=observed,
             reading=reading, completed=completed, error=error, error_reason=error_reason, settings=settings, name=name)
+        if completed:  # the roles that ended the run left their last figures behind
+            for component in (c for c in plan.components if c.job):
+                report = self.final_report(namespace, name, component.name, jobs.get(component.name))
+                status.update(workloads.final_figures(self.kind, report, status))
         self.write_status(obj, status)
         return status["phase"]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import threading
 import time
 from typing import Any
@@ -32,6 +33,37 @@ LIVENESS_SECONDS = 60.0
 def warm_imports() -> None:
     import hivekeeper.tasks  # noqa: F401
     import hivemind.p2p  # noqa: F401
+
+
+def authorization_header(configuration: Any) -> str | None:
+    """The Authorization header the official client itself sends. Its loaders keep the whole
+    header ("bearer TOKEN", "Basic ...") under api_key['BearerToken'] (client >= 36; before:
+    'authorization'); asking through auth_settings() runs the refresh hook, which re-reads a
+    rotated service-account token file or an expired exec / auth-provider token."""
+    value = (configuration.auth_settings().get("BearerToken") or {}).get("value")
+    return value.strip() if isinstance(value, str) and value.strip() else None
+
+
+def connection_info(configuration: Any) -> kopf.ConnectionInfo:
+    """kopf's credentials from a `kubernetes.client.Configuration`, however it was loaded:
+    in-cluster, a kubeconfig token, exec or auth-provider plugin, client certificate, basic auth."""
+    header = authorization_header(configuration)
+    scheme, _, token = header.partition(" ") if header else ("", "", "")
+    if scheme and not token:  # a bare token (api_key set by hand, without a prefix)
+        scheme, token = "Bearer", scheme
+    basic = not header  # kopf prefers username/password to a token; the client sends its header alone
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        username=(configuration.username or None) if basic else None,
+        password=(configuration.password or None) if basic else None,
+        scheme=scheme or None,
+        token=token.strip() or None,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+        proxy_url=configuration.proxy,
+    )
 
 
 class OperatorEndpoint(ServiceEndpoint):
@@ -71,20 +103,8 @@ class Operator:
         configuration = self.kube.api_client.configuration
 
         @kopf.on.login(registry=registry)
-        def login(**_: Any) -> kopf.ConnectionInfo:
-            token = configuration.get_api_key_with_prefix("authorization") or ""  # runs the refresh hook
-            scheme, _, token = token.partition(" ") if " " in token else ("Bearer", "", token)
-            return kopf.ConnectionInfo(
-                server=configuration.host,
-                ca_path=configuration.ssl_ca_cert,
-                insecure=not configuration.verify_ssl,
-                username=configuration.username or None,
-                password=configuration.password or None,
-                scheme=scheme if token else None,
-                token=token or None,
-                certificate_path=configuration.cert_file,
-                private_key_path=configuration.key_file,
-            )
+        def login(**_: Any) -> kopf.ConnectionInfo:  # again on every 401: a rotated token is read then
+            return connection_info(configuration)
 
         for kind, controller in self.controllers.items():
             self._register(registry, controller)
@@ -121,6 +141,9 @@ class Operator:
     # -- the resync loop ---------------------------------------------------------------------
 
     async def _resync_loop(self) -> None:
+        while not self.ready_flag.is_set():  # kopf has logged in and started
+            await asyncio.sleep(0.05)
+        self._stop_on_signals()  # kopf has put its own handlers in place of ours by now
         while not self.stop_flag.is_set():
             await self.resync()
             self.resynced.set()
@@ -165,16 +188,29 @@ class Operator:
         return {"kinds": list(self.controllers), "namespaces": list(self.config.namespaces) or "all",
                 "kopfReady": self.ready_flag.is_set(), "lastResync": self.last_resync}
 
+    def _stop_on_signals(self) -> None:
+        """SIGTERM and SIGINT set the stop flag. kopf installs handlers of its own as it starts
+        (in the main thread): they stop kopf too, but leave its waiter on our stop flag hanging,
+        and kopf gives hanging tasks 5 s before it cancels them."""
+        if threading.current_thread() is threading.main_thread():
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop_flag.set)
+
     async def main(self) -> None:
+        """Until the stop flag is set (`stop()`, SIGTERM, SIGINT)."""
+        self._stop_on_signals()  # while importing, before kopf starts
         if self.config.metrics_port is not None:
             self.endpoint = OperatorEndpoint(self.metrics.registry, self.config.metrics_host,
                                              self.config.metrics_port, status=self.status).start()
-        tasks = [asyncio.create_task(self._heartbeat())]
-        # Validating a spec checks its task's options (torch) and backbone keys are hivemind's:
-        # import both before the first reconcile, not inside it.
-        await asyncio.to_thread(warm_imports)
+        # Created before kopf starts: kopf would take later tasks for its own hung ones, and
+        # keep the shutdown waiting 5 s for them.
+        tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._resync_loop())]
         try:
-            operator = asyncio.create_task(kopf.operator(
+            # Validating a spec checks its task's options (torch) and backbone keys are hivemind's:
+            # import both before the first reconcile, not inside it.
+            await asyncio.to_thread(warm_imports)
+            await kopf.operator(
                 registry=self.registry,
                 settings=self.kopf_settings(),
                 clusterwide=not self.config.namespaces,
@@ -182,12 +218,11 @@ class Operator:
                 standalone=True,  # one replica; no kopf peering CRDs needed
                 stop_flag=self.stop_flag,
                 ready_flag=self.ready_flag,
-            ))
-            while not self.ready_flag.is_set() and not operator.done():
-                await asyncio.sleep(0.05)
-            tasks.append(asyncio.create_task(self._resync_loop()))
-            await operator
+            )
         finally:
+            # However kopf ended (an error; a signal its own handlers caught before ours were back),
+            # release its executor thread that waits on the stop flag: asyncio.run joins it.
+            self.stop_flag.set()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

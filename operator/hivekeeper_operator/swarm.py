@@ -165,6 +165,20 @@ def render_roles(manifest: Manifest, peer_ids: list[str], settings: WorkloadSett
                        RUN_DIR, balancer_peer_id=balancer_id)
 
 
+# The spec sections only some components read: a change to one restarts those alone (a new
+# trainer batch size leaves the backbone, the auxiliaries and the monitor running). Every other
+# section (task, optimizer, averaging, stopping, ...) is read by all. What a section changes in
+# another component's command line (the backbone's replicas in everyone's initial peers, the
+# balancer's identity) is in that component's args, hashed too.
+SECTION_READERS: dict[str, tuple[str, ...]] = {
+    "backbone": ("backbone",),
+    "trainers": ("trainer", "balancer"),  # the balancer caps what it plans by trainers.bandwidth
+    "auxiliary": ("auxiliary", "balancer"),
+    "monitor": ("monitor",),
+    "balancer": ("balancer",),
+}
+
+
 def config_hashes(manifest: Manifest, settings: WorkloadSettings, peer_ids: list[str],
                   balancer_id: str | None = None, relay_hosts: list[str | None] | None = None,
                   swarm_info: dict[str, Any] | None = None) -> dict[str, str]:
@@ -182,7 +196,8 @@ def config_hashes(manifest: Manifest, settings: WorkloadSettings, peer_ids: list
     out = {}
     for component in COMPONENTS:
         first = next((r for r in roles if r.component == component), None)
-        payload = {"spec": spec, "args": list(first.args) if first else None}
+        read = {k: v for k, v in spec.items() if component in SECTION_READERS.get(k, (component,))}
+        payload = {"spec": read, "args": list(first.args) if first else None}
         if component == "auth":
             payload["swarmInfo"] = swarm_info  # what it hands volunteers (the relays' public addresses)
         out[component] = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
@@ -503,6 +518,7 @@ class Observed:
 
     workloads: dict[str, dict[str, Any] | None]  # component -> StatefulSet (or the monitor's Job)
     monitor: dict[str, Any] | None = None  # the monitor's /status JSON, if it answered
+    final_report: dict[str, Any] | None = None  # the finished monitor's result (`readers.final_report_of`)
     error: str | None = None  # an error applying children (e.g. a name conflict)
     error_reason: str = "ReconcileError"
 
@@ -543,7 +559,10 @@ def swarm_status(*, generation: int | None, previous: dict[str, Any] | None, now
         failed_reason="MonitorFailed", running=running, not_ready=not_ready, rolling=rolling,
         ready_total=ready_total, desired_total=desired_total, error=observed.error,
         error_reason=observed.error_reason))
-    status.update(_monitor_figures(observed.monitor, previous, now))
+    if observed.final_report is not None:
+        status.update(_final_figures(observed.final_report, previous, now))
+    else:
+        status.update(_monitor_figures(observed.monitor, previous, now))
     return status
 
 
@@ -594,6 +613,13 @@ def lifecycle(*, previous: dict[str, Any], generation: int | None, now: str, set
         degraded = Cond("Degraded", False, "AsExpected", "")
     return {"phase": phase,
             "conditions": render_conditions([ready, progressing, degraded], previous.get("conditions"), generation, now)}
+
+
+def _final_figures(report: dict[str, Any], previous: dict[str, Any], now: str) -> dict[str, Any]:
+    """The run's final figures (the monitor's result.json) over the last live reading: the
+    monitor evaluates once more as it finishes, after the operator's last read."""
+    reading = {"globalStep": report.get("globalStep"), "loss": report.get("loss"), "evalMetrics": report.get("metrics")}
+    return {**_monitor_figures(None, previous, now), **_monitor_figures(reading, previous, now)}
 
 
 def _monitor_figures(reading: dict[str, Any] | None, previous: dict[str, Any], now: str) -> dict[str, Any]:

@@ -273,6 +273,17 @@ def live_figures(kind: str, reading: dict[str, Any] | None, previous: dict[str, 
     return out
 
 
+def final_figures(kind: str, report: dict[str, Any] | None, previous: dict[str, Any]) -> dict[str, Any]:
+    """A finished role's final report (`readers.final_report_of`) as the kind's status figures:
+    an ExpertPool trainer's step, held-out metrics and loss; what the model has no field for is
+    left out."""
+    if not report:
+        return {}
+    reading = {"step": report.get("globalStep"), "globalStep": report.get("globalStep"),
+               "evalMetrics": report.get("metrics"), "loss": report.get("loss")}
+    return live_figures(kind, {k: v for k, v in reading.items() if v is not None}, previous)
+
+
 def live_status_url(plan: WorkloadPlan, name: str, namespace: str, cluster_domain: str) -> str | None:
     """Where the first backbone peer serves /status (it sums up what the peers announce)."""
     backbone = next((c.name for c in plan.components if is_backbone(c.name)), None)

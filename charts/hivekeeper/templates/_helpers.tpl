@@ -75,6 +75,10 @@ pods themselves get no API access at all (automountServiceAccountToken: false).
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "list", "create", "patch", "delete"]
+# A finished run's final figures: the termination message of the monitor Job's pod.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
 # An ExpertPool's checkpoint claim is made once and never patched; the garbage collector deletes it.
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]

@@ -34,7 +34,7 @@ def block_roles(manifest: Manifest, network: Network, peer_ids: dict[str, str], 
     if spec.balancer.enabled:
         roles.append(role(BALANCER, 0, Resources(cpu="250m", memory="512Mi")))
     if spec.client.enabled:
-        roles.append(role(CLIENT, 0, Resources(cpu="1", memory="1Gi"), completes_run=True))
+        roles.append(role(CLIENT, 0, spec.client.resources, completes_run=True))
     return roles
 
 

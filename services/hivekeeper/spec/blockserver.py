@@ -89,6 +89,7 @@ class ClientSpec(SpecModel):
     seed: int = Field(0, ge=0, description="sampling seed")
     verify_local: StrictBool = Field(
         True, description="also generate with the whole model in the client's process and compare tokens")
+    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="1Gi"))
 
 
 class BlockServerSpec(SpecModel):

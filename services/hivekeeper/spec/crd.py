@@ -191,7 +191,7 @@ class ExpertPoolStatus(ResourceStatus):
 register_kind(KindInfo(
     kind="ExpertPool",
     plural="expertpools",
-    short_names=("ep",),
+    short_names=("xp",),  # not "ep": that is core Endpoints' short name
     description="A Learning@home decentralized mixture-of-experts: expert servers holding the experts of a "
                 "d-dimensional grid, announced in the DHT, and trainers whose DMoE layers pick top-k experts by "
                 "beam search (`hivekeeper up` runs the same manifest on one machine).",

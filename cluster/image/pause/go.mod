@@ -1,0 +1,3 @@
+module hivekeeper.dev/cluster/pause
+
+go 1.19

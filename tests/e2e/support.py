@@ -1,0 +1,177 @@
+"""Fixtures and helpers of the real-cluster tier (a pytest plugin: tests/conftest.py loads it).
+
+The tier: a Kubernetes built and started by `scripts/cluster.sh up`, the operator
+installed by `helm install` with the image built from the Dockerfile, and every resource applied
+with `kubectl apply`, as a user would. Runs only when the cluster is up (its `.cluster/env`, or
+$KUBECONFIG with $HIVEKEEPER_E2E_IMAGE), and skips otherwise; `make test` brings one up where it
+can (root, Go) and takes it down afterwards.
+
+The files run in name order and share one cluster and one release: the operator, then each kind,
+then `helm uninstall`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+RELEASE = "hivekeeper"
+OPERATOR_NAMESPACE = "hivekeeper-system"
+NAMESPACE = "e2e"  # where the resources under test live
+
+
+def _cluster_env() -> dict[str, str]:
+    env_file = REPO / ".cluster" / "env"
+    found: dict[str, str] = {}
+    if env_file.exists():
+        for line in env_file.read_text().splitlines():
+            key, _, value = line.partition("=")
+            found[key] = value
+    for key in ("KUBECONFIG", "HIVEKEEPER_E2E_IMAGE", "HIVEKEEPER_KUBECTL"):
+        if os.environ.get(key):
+            found[key] = os.environ[key]
+    return found
+
+
+ENV = _cluster_env()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if ENV.get("KUBECONFIG") and ENV.get("HIVEKEEPER_E2E_IMAGE"):
+        return
+    skip = pytest.mark.skip(reason="no cluster: `scripts/cluster.sh up` (or set KUBECONFIG and HIVEKEEPER_E2E_IMAGE)")
+    for item in items:
+        if "tests/e2e/" in str(item.fspath):
+            item.add_marker(skip)
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+            if value:
+                return value
+        except subprocess.CalledProcessError as e:  # a transient API error
+            last_error = e
+        time.sleep(interval)
+    detail = f" (last error: {last_error.stderr.strip() if last_error else ''})" if last_error else ""
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{detail}")
+
+
+class CommandFailed(subprocess.CalledProcessError):
+    def __str__(self) -> str:
+        return f"{' '.join(self.cmd)} exited {self.returncode}: {(self.stderr or '').strip()[-2000:]}"
+
+
+class Cluster:
+    """kubectl and helm against the cluster, with JSON in and out."""
+
+    def __init__(self, env: dict[str, str]):
+        self.kubeconfig = env["KUBECONFIG"]
+        self.kubectl_bin = env.get("HIVEKEEPER_KUBECTL") or "kubectl"
+        self.image = env["HIVEKEEPER_E2E_IMAGE"]
+        self.helm_bin = str(REPO / ".tools" / "bin" / "helm")
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "KUBECONFIG": self.kubeconfig}
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                timeout: float = 120) -> subprocess.CompletedProcess:
+        result = subprocess.run([self.kubectl_bin, *args], input=input, capture_output=True, text=True,
+                                env=self._env(), timeout=timeout)
+        if check and result.returncode != 0:
+            raise CommandFailed(result.returncode, ["kubectl", *args], result.stdout, result.stderr)
+        return result
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        result = subprocess.run([self.helm_bin, *args], capture_output=True, text=True, env=self._env(), timeout=300)
+        if check and result.returncode != 0:
+            raise CommandFailed(result.returncode, ["helm", *args], result.stdout, result.stderr)
+        return result
+
+    def get(self, kind: str, name: str | None = None, namespace: str | None = NAMESPACE,
+            selector: str | None = None) -> Any:
+        args = ["get", kind, "-o", "json"]
+        if name:
+            args.insert(2, name)
+        if namespace:
+            args += ["-n", namespace]
+        if selector:
+            args += ["-l", selector]
+        return json.loads(self.kubectl(*args).stdout)
+
+    def apply(self, document: dict[str, Any], namespace: str = NAMESPACE, check: bool = True) -> subprocess.CompletedProcess:
+        return self.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(document), check=check)
+
+    def pods(self, selector: str, namespace: str = NAMESPACE) -> list[dict[str, Any]]:
+        return self.get("pods", namespace=namespace, selector=selector)["items"]
+
+    def status(self, kind: str, name: str, namespace: str = NAMESPACE) -> dict[str, Any]:
+        return self.get(kind, name, namespace).get("status") or {}
+
+    def logs(self, pod: str, namespace: str = NAMESPACE, previous: bool = False) -> str:
+        args = ["logs", pod, "-n", namespace] + (["--previous"] if previous else [])
+        return self.kubectl(*args, check=False).stdout
+
+    def describe_failure(self, namespace: str = NAMESPACE) -> str:
+        """What a person would look at when a wait fails: pods, events, the operator's log."""
+        parts = [self.kubectl("get", "all", "-n", namespace, "-o", "wide", check=False).stdout,
+                 self.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False).stdout[-3000:],
+                 self.kubectl("logs", "-n", OPERATOR_NAMESPACE, f"deploy/{RELEASE}", "--tail=40", check=False).stdout]
+        return "\n".join(parts)
+
+
+def merged(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def example(name: str, changes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An example manifest as shipped, with `changes` merged in."""
+    return merged(yaml.safe_load((EXAMPLES / name).read_text()), changes or {})
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Cluster:
+    return Cluster(ENV)
+
+
+@pytest.fixture(scope="session")
+def release(cluster: Cluster):
+    """The chart installed as a user would, with the image built from the Dockerfile."""
+    repository, _, tag = cluster.image.rpartition(":")
+    cluster.helm("upgrade", "--install", RELEASE, str(REPO / "charts" / "hivekeeper"), "--namespace", OPERATOR_NAMESPACE,
+                 "--create-namespace", "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+                 "--set", "image.pullPolicy=Never", "--set", "resyncSeconds=5", "--wait", "--timeout", "5m")
+    # A namespace left terminating by an earlier session refuses new objects: wait it out.
+    wait_for(lambda: cluster.kubectl("get", "namespace", NAMESPACE, check=False).returncode != 0
+             or "Terminating" not in cluster.kubectl("get", "namespace", NAMESPACE).stdout, 300,
+             f"namespace {NAMESPACE} to finish terminating")
+    cluster.kubectl("create", "namespace", NAMESPACE, check=False)
+    yield RELEASE
+    if cluster.helm("status", RELEASE, "-n", OPERATOR_NAMESPACE, check=False).returncode == 0:
+        cluster.helm("uninstall", RELEASE, "-n", OPERATOR_NAMESPACE, "--wait", check=False)
+    cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=true", check=False, timeout=300)
+
+
+def operator_pod(cluster: Cluster) -> dict[str, Any]:
+    pods = [p for p in cluster.pods(f"app.kubernetes.io/instance={RELEASE}", OPERATOR_NAMESPACE)
+            if not p["metadata"].get("deletionTimestamp")]
+    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+    return pods[0]
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in (pod.get("status") or {}).get("conditions") or [])

@@ -1,0 +1,159 @@
+"""A Swarm in pods, from `kubectl apply` to `Succeeded`: live printer columns, `kubectl scale`, a
+spec change that restarts only its role, the operator's pod deleted mid-run (it stops at SIGTERM,
+a new one takes over, nothing is duplicated), the run's final figures in the status, and the
+garbage collector taking every child with the Swarm."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from typing import Any
+
+import pytest
+
+from e2e.support import NAMESPACE, OPERATOR_NAMESPACE, REPO, Cluster, example, operator_pod, pod_ready, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
+
+NAME = "digits"
+SELECTOR = f"hivekeeper.dev/swarm={NAME}"
+SMALL = {"cpu": "250m", "memory": "1Gi"}  # sized to a 2-core node
+CHILD_KINDS = "statefulsets,jobs,services,configmaps,secrets,poddisruptionbudgets"
+
+
+def swarm_manifest() -> dict[str, Any]:
+    """The example as shipped, its peers' CPU requests cut to fit a 2-core node, no balancer (its
+    fixed 500m request would not fit beside three trainers), and a smaller learning rate: the run
+    must outlast the checks made while it trains (at 0.003 it reached its target at step 46, in
+    about 4 minutes, hardly longer than they take)."""
+    return example("swarm-digits.yaml", {"spec": {
+        "optimizer": {"learningRate": 0.002},
+        "trainers": {"replicas": 2, "resources": SMALL},
+        "auxiliary": {"replicas": 1, "resources": SMALL},
+        "balancer": {"enabled": False},
+    }})
+
+
+def component_pods(cluster: Cluster, component: str) -> list[dict[str, Any]]:
+    return [p for p in cluster.pods(f"{SELECTOR},hivekeeper.dev/component={component}")
+            if not p["metadata"].get("deletionTimestamp")]
+
+
+def uids(cluster: Cluster, component: str) -> set[str]:
+    return {p["metadata"]["uid"] for p in component_pods(cluster, component)}
+
+
+def children(cluster: Cluster) -> list[tuple[str, str, str]]:
+    items = cluster.get(CHILD_KINDS, selector=SELECTOR)["items"]
+    return sorted((i["kind"], i["metadata"]["name"], i["metadata"]["uid"]) for i in items)
+
+
+def printed_columns(cluster: Cluster) -> dict[str, str]:
+    """`kubectl get swarm` as a person reads it: header names to values."""
+    header, row = cluster.kubectl("get", "swarm", NAME, "-n", NAMESPACE).stdout.splitlines()[:2]
+    starts = [i for i, ch in enumerate(header) if ch != " " and (i == 0 or header[i - 1] == " " and header[i - 2] == " ")]
+    names = [header[s:e].strip() for s, e in zip(starts, starts[1:] + [None])]
+    return dict(zip(names, [row[s:e].strip() for s, e in zip(starts, starts[1:] + [None])]))
+
+
+def delete_operator_pod_and_watch_exit(cluster: Cluster) -> tuple[int | None, float]:
+    """Deletes the operator's pod as a rollout or a drain would; returns its container's exit
+    code (read from the pod's last states while it terminates) and how long the delete took."""
+    pod = operator_pod(cluster)["metadata"]["name"]
+    watch = subprocess.Popen(
+        [cluster.kubectl_bin, "get", "pod", pod, "-n", OPERATOR_NAMESPACE, "-w", "-o",
+         "jsonpath={.status.containerStatuses[0].state.terminated.exitCode}{'\\n'}"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "KUBECONFIG": cluster.kubeconfig})
+    time.sleep(1.0)
+    began = time.monotonic()
+    cluster.kubectl("delete", "pod", pod, "-n", OPERATOR_NAMESPACE, "--wait=true", timeout=120)
+    took = time.monotonic() - began
+    watch.terminate()
+    lines = [line.strip() for line in watch.communicate(timeout=10)[0].splitlines() if line.strip()]
+    return (int(lines[-1]) if lines else None), took
+
+
+def final_report_in_log(log: str) -> dict[str, Any]:
+    for line in reversed(log.splitlines()):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("msg") == "run finished":
+            return entry
+    raise AssertionError(f"the monitor logged no final report:\n{log[-2000:]}")
+
+
+def test_swarm_from_apply_to_succeeded(cluster: Cluster, release: str):
+    figures: dict[str, Any] = {}
+    samples: list[float] = []
+
+    def status() -> dict[str, Any]:
+        """The Swarm's status, noting the collaboration's samples/s while it trains."""
+        found = cluster.status("swarm", NAME)
+        if found.get("phase") == "Running" and found.get("samplesPerSecond"):
+            samples.append(float(found["samplesPerSecond"]))
+        return found
+
+    cluster.apply(swarm_manifest())
+    try:
+        first = wait_for(lambda: (s := status()).get("globalStep", 0) >= 1 and s, 420, "the first global step",
+                         interval=2)
+        assert first["phase"] == "Running", first
+        columns = printed_columns(cluster)
+        assert columns["PHASE"] == "Running" and int(columns["STEP"]) >= 1, columns
+        assert float(columns["SAMPLES/S"]) > 0, columns
+
+        # kubectl scale goes through the scale subresource to the trainers.
+        cluster.kubectl("scale", "swarm", NAME, "-n", NAMESPACE, "--replicas=3")
+        wait_for(lambda: status() is not None and len([p for p in component_pods(cluster, "trainer") if pod_ready(p)]) == 3,
+                 300, "three ready trainers")
+
+        # A change to one role's section restarts that role alone (here the auxiliary peer's
+        # bandwidth cap; the plan tests cover each section).
+        kept = {c: uids(cluster, c) for c in ("backbone", "trainer", "monitor")}
+        auxiliary = uids(cluster, "auxiliary")
+        cluster.kubectl("patch", "swarm", NAME, "-n", NAMESPACE, "--type=merge", "-p",
+                        json.dumps({"spec": {"auxiliary": {"bandwidth": {"uploadMbps": 500}}}}))
+        wait_for(lambda: (now := uids(cluster, "auxiliary")) and not (now & auxiliary), 300,
+                 "the auxiliary peer restarted with its new cap")
+        assert {c: uids(cluster, c) for c in kept} == kept
+
+        # The operator's pod deleted mid-run: it stops at SIGTERM, a new one takes over.
+        before = children(cluster)
+        step_before = status().get("globalStep", 0)
+        exit_code, took = delete_operator_pod_and_watch_exit(cluster)
+        figures["operatorDeleteSeconds"] = round(took, 1)
+        assert exit_code == 0, f"the operator's container exited {exit_code} (137: SIGKILLed after the grace period)"
+        wait_for(lambda: pod_ready(operator_pod(cluster)), 180, "a new operator pod ready")
+        wait_for(lambda: (s := status()).get("globalStep", 0) > step_before or s.get("phase") == "Succeeded", 300,
+                 "the status to move again")
+        assert children(cluster) == before, "the new operator duplicated or replaced children"
+
+        final = wait_for(lambda: (s := status()).get("phase") == "Succeeded" and s, 900, "the Swarm to succeed",
+                         interval=3)
+        monitor = component_pods(cluster, "monitor")
+        assert len(monitor) == 1
+        report = final_report_in_log(cluster.logs(monitor[0]["metadata"]["name"]))
+        assert final["globalStep"] == report["globalStep"], (final, report)
+        assert final["evalMetrics"]["accuracy"] == pytest.approx(report["metrics"]["accuracy"]), (final, report)
+        assert report["metrics"]["accuracy"] >= 0.96 or report["globalStep"] >= 200
+        figures.update(globalStep=report["globalStep"], accuracy=report["metrics"]["accuracy"],
+                       samplesPerSecondMedian=round(statistics.median(samples), 1) if samples else None)
+        # The run is over: the peers were stopped.
+        wait_for(lambda: not component_pods(cluster, "trainer"), 180, "the trainers to stop")
+    except AssertionError:
+        print(cluster.describe_failure())
+        raise
+    finally:
+        out = REPO / ".cluster" / "e2e-swarm.json"
+        if out.parent.exists():
+            out.write_text(json.dumps(figures, indent=2))
+        print("swarm figures:", json.dumps(figures))
+
+    cluster.kubectl("delete", "swarm", NAME, "-n", NAMESPACE, "--wait=true", timeout=180)
+    wait_for(lambda: not children(cluster) and not cluster.pods(SELECTOR), 180,
+             "the garbage collector to take every child")

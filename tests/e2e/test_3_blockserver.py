@@ -1,0 +1,50 @@
+"""A BlockServer in pods: servers hold spans of a transformer's blocks, and the scripted client's
+tokens through the chain of servers match decoding the same model locally."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from e2e.support import NAMESPACE, Cluster, example, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+NAME = "tiny-llama"
+SELECTOR = f"hivekeeper.dev/swarm={NAME}"
+
+
+def client_result(cluster: Cluster) -> dict[str, Any] | None:
+    for pod in cluster.pods(f"{SELECTOR},hivekeeper.dev/component=block-client"):
+        for line in cluster.logs(pod["metadata"]["name"]).splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("msg") == "generated":
+                return entry
+    return None
+
+
+def test_blockserver_client_decodes_as_the_local_model(cluster: Cluster, release: str):
+    small = {"cpu": "250m", "memory": "1Gi"}  # sized to a 2-core node
+    manifest = example("blockserver.yaml", {"spec": {"servers": {"replicas": 2, "resources": small},
+                                                     "client": {"resources": small}}})
+    cluster.apply(manifest)
+    try:
+        status = wait_for(lambda: (s := cluster.status("blockserver", NAME)).get("servedBlocks") == "6/6" and s,
+                          420, "every block served", interval=2)
+        assert status["phase"] in ("Running", "Succeeded"), status
+        columns = cluster.kubectl("get", "blockserver", NAME, "-n", NAMESPACE).stdout
+        assert "6/6" in columns, columns
+        result = wait_for(lambda: client_result(cluster), 420, "the client's generated tokens", interval=3)
+        assert result["metrics"]["matchesLocal"] is True, result
+        assert len(result["tokens"]) == manifest["spec"]["client"]["newTokens"]
+    except AssertionError:
+        print(cluster.describe_failure())
+        raise
+    finally:
+        cluster.kubectl("delete", "blockserver", NAME, "-n", NAMESPACE, "--wait=true", timeout=180, check=False)
+    wait_for(lambda: not cluster.pods(SELECTOR), 180, "the BlockServer's pods to go")
