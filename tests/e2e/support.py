@@ -148,9 +148,9 @@ def cluster() -> Cluster:
     return Cluster(ENV)
 
 
-@pytest.fixture(scope="session")
-def release(cluster: Cluster):
-    """The chart installed as a user would, with the image built from the Dockerfile."""
+def install_release(cluster: Cluster) -> None:
+    """The chart installed as a user would, with the image built from the Dockerfile, and the
+    namespace the resources under test go to."""
     repository, _, tag = cluster.image.rpartition(":")
     cluster.helm("upgrade", "--install", RELEASE, str(REPO / "charts" / "hivekeeper"), "--namespace", OPERATOR_NAMESPACE,
                  "--create-namespace", "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
@@ -160,6 +160,11 @@ def release(cluster: Cluster):
              or "Terminating" not in cluster.kubectl("get", "namespace", NAMESPACE).stdout, 300,
              f"namespace {NAMESPACE} to finish terminating")
     cluster.kubectl("create", "namespace", NAMESPACE, check=False)
+
+
+@pytest.fixture(scope="session")
+def release(cluster: Cluster):
+    install_release(cluster)
     yield RELEASE
     if cluster.helm("status", RELEASE, "-n", OPERATOR_NAMESPACE, check=False).returncode == 0:
         cluster.helm("uninstall", RELEASE, "-n", OPERATOR_NAMESPACE, "--wait", check=False)
