@@ -15,8 +15,9 @@ import json
 import os
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import yaml
@@ -169,6 +170,34 @@ def release(cluster: Cluster):
     if cluster.helm("status", RELEASE, "-n", OPERATOR_NAMESPACE, check=False).returncode == 0:
         cluster.helm("uninstall", RELEASE, "-n", OPERATOR_NAMESPACE, "--wait", check=False)
     cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=true", check=False, timeout=300)
+
+
+def logged_entry(log: str, msg: str) -> dict[str, Any] | None:
+    """The last structured (JSON) log entry with this message."""
+    for line in reversed(log.splitlines()):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("msg") == msg:
+            return entry
+    return None
+
+
+@contextmanager
+def applied(cluster: Cluster, manifest: dict[str, Any]) -> Iterator[None]:
+    """The resource applied for the block's checks; what a person would look at printed if one
+    fails; deleted afterwards, and its pods waited out (they hold CPU requests the next test needs)."""
+    kind, name = manifest["kind"].lower(), manifest["metadata"]["name"]
+    cluster.apply(manifest)
+    try:
+        yield
+    except AssertionError:
+        print(cluster.describe_failure())
+        raise
+    finally:
+        cluster.kubectl("delete", kind, name, "-n", NAMESPACE, "--wait=true", timeout=180, check=False)
+    wait_for(lambda: not cluster.pods(f"hivekeeper.dev/swarm={name}"), 180, f"the {manifest['kind']}'s pods to go")
 
 
 def operator_pod(cluster: Cluster) -> dict[str, Any]:

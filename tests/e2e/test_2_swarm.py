@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from e2e.support import NAMESPACE, OPERATOR_NAMESPACE, REPO, Cluster, example, operator_pod, pod_ready, wait_for
+from e2e.support import (NAMESPACE, OPERATOR_NAMESPACE, REPO, Cluster, example, logged_entry, operator_pod, pod_ready,
+                         wait_for)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
@@ -76,17 +77,6 @@ def delete_operator_pod_and_watch_exit(cluster: Cluster) -> tuple[int | None, fl
     return (int(lines[-1]) if lines else None), took
 
 
-def final_report_in_log(log: str) -> dict[str, Any]:
-    for line in reversed(log.splitlines()):
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(entry, dict) and entry.get("msg") == "run finished":
-            return entry
-    raise AssertionError(f"the monitor logged no final report:\n{log[-2000:]}")
-
-
 def test_swarm_from_apply_to_succeeded(cluster: Cluster, release: str):
     figures: dict[str, Any] = {}
     samples: list[float] = []
@@ -137,7 +127,9 @@ def test_swarm_from_apply_to_succeeded(cluster: Cluster, release: str):
                          interval=3)
         monitor = component_pods(cluster, "monitor")
         assert len(monitor) == 1
-        report = final_report_in_log(cluster.logs(monitor[0]["metadata"]["name"]))
+        log = cluster.logs(monitor[0]["metadata"]["name"])
+        report = logged_entry(log, "run finished")
+        assert report, f"the monitor logged no final report:\n{log[-2000:]}"
         assert final["globalStep"] == report["globalStep"], (final, report)
         assert final["evalMetrics"]["accuracy"] == pytest.approx(report["metrics"]["accuracy"]), (final, report)
         assert report["metrics"]["accuracy"] >= 0.96 or report["globalStep"] >= 200

@@ -3,13 +3,12 @@ tokens through the chain of servers match decoding the same model locally."""
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 import pytest
 
-from e2e.support import NAMESPACE, Cluster, example, wait_for
+from e2e.support import NAMESPACE, Cluster, applied, example, logged_entry, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -19,13 +18,9 @@ SELECTOR = f"hivekeeper.dev/swarm={NAME}"
 
 def client_result(cluster: Cluster) -> dict[str, Any] | None:
     for pod in cluster.pods(f"{SELECTOR},hivekeeper.dev/component=block-client"):
-        for line in cluster.logs(pod["metadata"]["name"]).splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(entry, dict) and entry.get("msg") == "generated":
-                return entry
+        entry = logged_entry(cluster.logs(pod["metadata"]["name"]), "generated")
+        if entry:
+            return entry
     return None
 
 
@@ -33,8 +28,7 @@ def test_blockserver_client_decodes_as_the_local_model(cluster: Cluster, release
     small = {"cpu": "250m", "memory": "1Gi"}  # sized to a 2-core node
     manifest = example("blockserver.yaml", {"spec": {"servers": {"replicas": 2, "resources": small},
                                                      "client": {"resources": small}}})
-    cluster.apply(manifest)
-    try:
+    with applied(cluster, manifest):
         # The client may be done before a reading of all six blocks reaches the status: either
         # shows the servers at work.
         status = wait_for(lambda: ((s := cluster.status("blockserver", NAME)).get("servedBlocks") == "6/6"
@@ -49,9 +43,3 @@ def test_blockserver_client_decodes_as_the_local_model(cluster: Cluster, release
         # Its chain of servers covers the six blocks, span after span.
         spans = sorted(tuple(map(int, hop.split("@")[0].split(":"))) for hop in result["chain"])
         assert spans[0][0] == 0 and spans[-1][1] == 6 and all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans
-    except AssertionError:
-        print(cluster.describe_failure())
-        raise
-    finally:
-        cluster.kubectl("delete", "blockserver", NAME, "-n", NAMESPACE, "--wait=true", timeout=180, check=False)
-    wait_for(lambda: not cluster.pods(SELECTOR), 180, "the BlockServer's pods to go")
