@@ -16,7 +16,7 @@ import torch
 
 from hivekeeper.metrics import SwarmMetrics
 from hivekeeper.swarm.merging_peer import MergeRecord, WrapperPeer
-from hivekeeper.swarm.optimizer import (TRACKER_REFRESH, averager_options, make_instrumented_classes,
+from hivekeeper.swarm.optimizer import (TRACKER_REFRESH, averager_options, chunk_timeout, make_instrumented_classes,
                                         reset_step_counters)
 
 log = logging.getLogger("hivekeeper.gradient_peer")
@@ -39,6 +39,7 @@ class GradientPeer(WrapperPeer):
             dht=dht, run_id=prefix, optimizer=optimizer,  # pre-built: it steps the model's own parameters
             target_batch_size=target_batch_size, batch_size_per_step=batch_size,
             matchmaking_time=matchmaking_seconds, averaging_timeout=timeout_seconds,
+            next_chunk_timeout=chunk_timeout(matchmaking_seconds, timeout_seconds),
             client_mode=dht.client_mode, grad_averager_factory=CountingGradientAverager,
             averager_opts=averager_options(target_group_size, matchmaking_seconds),
             # a key of its own: by default every tracker in a process signs its progress with one

@@ -277,6 +277,15 @@ def make_instrumented_classes():
 TRACKER_REFRESH = dict(min_refresh_period=0.25, max_refresh_period=2.0)
 
 
+def chunk_timeout(matchmaking_seconds: float, timeout_seconds: float) -> float:
+    """How long a peer in a formed group may go silent between two parts before the others drop
+    it from the round (its parts then stay local: peers step on different averages). hivemind
+    ties it to the matchmaking time, so a 1 s matchmaking window drops a peer that a loaded host
+    stalls for a second; a quarter of the round's timeout still leaves a hung peer's group the
+    time to finish without it (the reducer's limit is twice this)."""
+    return max(matchmaking_seconds, timeout_seconds / 4)
+
+
 def averager_options(target_group_size: Optional[int], matchmaking_seconds: float) -> dict:
     """hivemind advises a request timeout below the matchmaking time (rare deadlocks otherwise)."""
     return dict(target_group_size=target_group_size, request_timeout=min(3.0, matchmaking_seconds / 2))
@@ -309,6 +318,7 @@ def make_collaborative_optimizer(
         batch_size_per_step=None if auxiliary else batch_size,
         matchmaking_time=averaging.matchmaking_seconds,
         averaging_timeout=averaging.timeout_seconds,
+        next_chunk_timeout=chunk_timeout(averaging.matchmaking_seconds, averaging.timeout_seconds),
         delay_optimizer_step=averaging.delayed_parameter_updates,
         delay_grad_averaging=averaging.delayed_parameter_updates,
         average_state_every=averaging.average_state_every,
