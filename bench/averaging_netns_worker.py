@@ -1,6 +1,6 @@
 """One peer of bench_averaging_netns.py, run inside its network namespace.
 
-Starts a DHT peer that answers bandwidth probes (`hivekeeper.swarm.bandwidth.serve_probes`)
+Starts a DHT peer that answers bandwidth probes (`hivekeeper.runtime.bandwidth.serve_probes`)
 and a PlannedAverager on the namespace's address, prints one JSON line
 {"ready": peer_id, "maddrs": [...]}, then serves JSON commands on stdin, one a line:
 
@@ -46,12 +46,12 @@ def main() -> None:
     torch.set_num_threads(1)
 
     import hivemind
-    from hivekeeper.swarm.bandwidth import probe, serve_probes
+    from hivekeeper.runtime.bandwidth import probe, serve_probes
 
     # the reasons hivemind gives for a part that never arrived are DEBUG lines; the rest stays quiet
     for name in ("hivemind.averaging.allreduce", "hivemind.p2p.p2p_daemon"):
         logging.getLogger(name).setLevel(logging.DEBUG)
-    from hivekeeper.swarm.planned_averaging import PlannedAverager
+    from hivekeeper.hivemind_ext.allreduce import PlannedAverager
 
     u = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
     for attempt in range(3):  # on a loaded machine p2pd now and then misses its bootstrap peer

@@ -18,7 +18,7 @@ the processes inside them are removed on exit, error or signal.
 Inputs. The declared tc rates overstate what averaging's payload gets through TCP and
 libp2p (headers, framing, retransmissions: the links carry about 1.1 bytes per payload byte
 here), so the planner gets u_i, d_i as a swarm's peers measure them
-(`hivekeeper.swarm.bandwidth`), the best observation each way, every observation being a
+(`hivekeeper.runtime.bandwidth`), the best observation each way, every observation being a
 lower bound of the capacity:
   probe    each peer in turn sends --probe-bytes while fetching as many back, over the
            transport averaging uses: to peer 0, and peer 0 to peer 1. A probe is also bounded
@@ -48,7 +48,7 @@ equal, hivemind and plan splits alike, so it does not come from the plan's share
 
 Transport. Planned rounds (plan, equal, server) run hivekeeper's runner, which keeps each
 flow's unanswered parts within a window so that the answers clock the uploads (see
-`hivekeeper.swarm.planned_averaging`, "Flow window"); the hivemind arrangement runs
+`hivekeeper.hivemind_ext.allreduce`, "Flow window"); the hivemind arrangement runs
 hivemind's own. Without the window, a slow peer's averages came back slower than it uploaded
 (TCP splits its upload unevenly among its flows, and an aggregator answers part k only when
 every sender's part k is in), the rest arriving after its upload had ended: planned rounds
@@ -91,8 +91,8 @@ from hivekeeper.planning.averaging_lp import (  # noqa: E402
     plan_for_roles,
     throughput_of,
 )
-from hivekeeper.swarm.bandwidth import PROBE_BYTES, Rates  # noqa: E402
-from hivekeeper.swarm.planned_averaging import shares_by_peer_id  # noqa: E402
+from hivekeeper.runtime.bandwidth import PROBE_BYTES, Rates  # noqa: E402
+from hivekeeper.hivemind_ext.allreduce import shares_by_peer_id  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "averaging_netns.json"
 WORKER = REPO / "bench" / "averaging_netns_worker.py"

@@ -14,10 +14,12 @@ import hivemind.utils
 import pytest
 
 from hivekeeper.local.identity import ensure_identity
+from hivekeeper.metrics import SwarmMetrics
 from hivekeeper.planning.averaging_lp import throughput_of
+from hivekeeper.runtime.context import RoleContext
+from hivekeeper.runtime.reports import PEERS_KEY
 from hivekeeper.spec import load_manifest
 from hivekeeper.swarm.balancer import Balancer
-from hivekeeper.swarm.common import PEERS_KEY, RoleContext
 from hivekeeper.swarm.metrics_source import MetricsSourceError, PeerMeasurement
 from hivekeeper.swarm.plan_record import SignedPlan, plan_key, verify_plan
 
@@ -101,7 +103,8 @@ def make_swarm(directory: Path, monkeypatch: pytest.MonkeyPatch, source: Any = N
     signer = ensure_identity(identity)
     manifest = load_manifest(write_manifest(directory, {"spec": {
         "targetBatchSize": 256, "balancer": {"planTtlSeconds": TTL, "drift": 0.25}}}))
-    ctx = RoleContext(role="balancer", args=argparse.Namespace(identity=str(identity), index=0), manifest=manifest)
+    ctx = RoleContext(role="balancer", args=argparse.Namespace(identity=str(identity), index=0), manifest=manifest,
+                      metrics=SwarmMetrics())
     return Swarm(Balancer(ctx), FakeDHT(ctx.run_id), source or FakeSource(), signer, clock)
 
 

@@ -177,8 +177,9 @@ RECONCILED = [
 def test_rbac_covers_every_child_the_operator_writes(tmp_path):
     """Every request the operator's reconcilers make, for each kind (an ExpertPool with a checkpoint
     claim among them) when it is made and when it is edited, is allowed by the chart's rules, and
-    the checkpoint claim gets exactly the verbs the operator uses. Also every child a Swarm can
-    have (`swarm.all_children`, deleted when not wanted), edit or not."""
+    the checkpoint claim gets exactly the verbs the operator uses. Also every child kind the
+    planner makes (each can be deleted when no longer wanted), edit or not, and the owner scan
+    may list the kinds it scans."""
     pytest.importorskip("kopf")
     pytest.importorskip("kmock")
     import kubernetes
@@ -187,9 +188,10 @@ def test_rbac_covers_every_child_the_operator_writes(tmp_path):
     from hivekeeper.spec.crd import KINDS, crd
     from hivekeeper_operator.kube import Kube
     from hivekeeper_operator.metrics import OperatorMetrics
+    from hivekeeper_operator.plan import SCANNED
+    from hivekeeper_operator.pods import WorkloadSettings
     from hivekeeper_operator.reconcile import API, OperatorConfig, controllers
-    from hivekeeper_operator.swarm import WorkloadSettings, all_children
-    from hivekeeper_operator.testing import EmulatedCluster
+    from kube_emulator import EmulatedCluster
 
     role = rules(next(d for d in render() if d["kind"] == "ClusterRole"))
     with EmulatedCluster(tmp_path, crds=[crd(kind) for kind in sorted(KINDS)], service_monitors=True) as cluster:
@@ -217,9 +219,13 @@ def test_rbac_covers_every_child_the_operator_writes(tmp_path):
 
     plural = {"Secret": "secrets", "ConfigMap": "configmaps", "Service": "services", "StatefulSet": "statefulsets",
               "Job": "jobs", "PodDisruptionBudget": "poddisruptionbudgets", "ServiceMonitor": "servicemonitors"}
-    for api_version, kind, _ in all_children("x"):
+    for api_version, kind in {("v1", "Secret"), ("v1", "ConfigMap"), ("v1", "Service"), ("apps/v1", "StatefulSet"),
+                              ("batch/v1", "Job"), ("policy/v1", "PodDisruptionBudget"),
+                              ("monitoring.coreos.com/v1", "ServiceMonitor")}:
         group = api_version.rpartition("/")[0]
         assert {"get", "create", "patch", "delete"} <= role[(group, plural[kind])], kind
+    for api_version, kind in SCANNED:
+        assert "list" in role[(api_version.rpartition("/")[0], plural[kind])], kind
 
 
 @needs_helm

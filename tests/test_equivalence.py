@@ -73,7 +73,7 @@ def run_traced_collaboration(tmp_path: Path):
         traced.append(role)
     supervisor = Supervisor(traced, run_dir / "logs")
     try:
-        supervisor.start(ready_first=("backbone",))
+        supervisor.start(ready_first=lambda role: role.backbone)
         deadline = time.monotonic() + 240
         while not supervisor.poll():
             assert time.monotonic() < deadline, "the collaboration did not reach its target steps in time"

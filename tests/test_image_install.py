@@ -35,11 +35,11 @@ from conftest import EXAMPLES, REPO, wait_for  # noqa: E402
 from hivekeeper.kinds import runtime  # noqa: E402
 from hivekeeper.local.supervisor import _is_ready as is_ready, _kill_group as kill_group  # noqa: E402
 from hivekeeper.spec import load_manifest  # noqa: E402
-from hivekeeper_operator import identity, swarm, volunteers, workloads  # noqa: E402
-from hivekeeper_operator.network import KubernetesNetwork  # noqa: E402
+from hivekeeper_operator import identity, plan, volunteers  # noqa: E402
+from hivekeeper_operator.network import CONFIG_DIR, KubernetesNetwork  # noqa: E402
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()
-SETTINGS = swarm.WorkloadSettings(image="hivekeeper:test")
+SETTINGS = plan.WorkloadSettings(image="hivekeeper:test")
 NAMESPACE = "default"
 START_TIMEOUT = 180.0  # importing torch on a loaded machine, then joining the DHT
 
@@ -168,20 +168,13 @@ def planned_children(path: Path, key: bytes) -> list[dict]:
     owner = {"apiVersion": manifest.api_version, "kind": manifest.kind,
              "metadata": {"name": manifest.metadata.name, "namespace": NAMESPACE, "uid": "0000-1111"}}
     keys, ids = identity.ensure_role_keys(None, runtime(manifest.kind).identity_roles(manifest), lambda: key)
-    if manifest.kind != "Swarm":
-        return workloads.plan_workloads(owner, manifest, ids, keys, SETTINGS).children
-    spec = manifest.spec
-    peer_ids = [ids[f"backbone-{i}"] for i in range(spec.backbone.replicas)]
-    balancer_id = ids.get("balancer-0")
-    access = None
-    if spec.volunteers.enabled:
-        door = spec.volunteers
+    access, door = None, plan.door_of(manifest)
+    if door is not None:
         hosts = volunteers.public_hosts(door, [None] * door.relays)
-        roles = swarm.render_roles(manifest, peer_ids, SETTINGS, balancer_id, hosts)
+        roles = plan.render_roles(manifest, ids, SETTINGS, hosts)
         auth, invites = volunteers.ensure_access(None, None, manifest.metadata.name, roles)
-        access = swarm.VolunteerAccess(relay_ids=[ids[f"relay-{i}"] for i in range(door.relays)], relay_hosts=hosts,
-                                       auth_data=auth, invites_data=invites)
-    return swarm.plan_swarm(owner, manifest, peer_ids, keys, SETTINGS, balancer_id=balancer_id, access=access).children
+        access = volunteers.VolunteerAccess(relay_hosts=hosts, auth_data=auth, invites_data=invites)
+    return plan.plan(plan.Request(owner, manifest, ids, keys, SETTINGS, access=access)).children
 
 
 @dataclass
@@ -252,7 +245,7 @@ def pod_environment(pod: Pod, pod_ip: str, root: Path, mounts: list[str]) -> dic
 
 def launcher_command(pod: Pod, root: Path) -> list[str]:
     """The container's command and args, told where its ConfigMap's roles.json lies here."""
-    roles = local(f"{swarm.CONFIG_DIR}/roles.json", root, [swarm.CONFIG_DIR])
+    roles = local(f"{CONFIG_DIR}/roles.json", root, [CONFIG_DIR])
     return [*pod.container["command"], *pod.container["args"], "--roles", roles]
 
 
@@ -303,7 +296,7 @@ def test_every_pod_of_every_example_resolves_parses_and_imports_its_role(image, 
         for pod in pods_of(children):
             root = tmp_path / example / pod.name
             mounts = mount(pod, children, root)
-            rewrite_roles(Path(local(swarm.CONFIG_DIR, root, mounts)),
+            rewrite_roles(Path(local(CONFIG_DIR, root, mounts)),
                           lambda args, root=root, mounts=mounts: [local(a, root, mounts) for a in args])
             command = launcher_command(pod, root)
             assert command[:3] == LAUNCHER, command
@@ -379,13 +372,14 @@ def test_a_backbone_and_a_worker_pod_start_from_the_image_install(image, example
     started = {component: pods[f"{name}-{component}-0"] for component in STARTED[example]}
     ports = {c: {"--p2p-port": free_port(), "--metrics-port": free_port()} for c in started}
     network = KubernetesNetwork(name, NAMESPACE)
-    peers = {network.backbone_host(0, c): ports[c]["--p2p-port"] for c in started if workloads.is_backbone(c)}
+    backbones = {c["metadata"]["labels"]["hivekeeper.dev/component"] for c in children if c["kind"] == "PodDisruptionBudget"}
+    peers = {network.backbone_host(0, c): ports[c]["--p2p-port"] for c in started if c in backbones}
     processes: dict[str, subprocess.Popen] = {}
     try:
         for component, pod in started.items():
             root = tmp_path / pod.name
             mounts = mount(pod, children, root)
-            rewrite_roles(Path(local(swarm.CONFIG_DIR, root, mounts)),
+            rewrite_roles(Path(local(CONFIG_DIR, root, mounts)),
                           lambda args: on_loopback([local(a, root, mounts) for a in args], ports[component], peers))
             with (tmp_path / f"{component}.log").open("w") as log:
                 processes[component] = subprocess.Popen(

@@ -13,18 +13,8 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
-from hivekeeper.swarm.merging import (
-    AllOrNothingRunner,
-    MergeResult,
-    MergingAverager,
-    SimpleMerger,
-    TiesMerger,
-    agreeing_offsets,
-    disjoint_mean,
-    simple_average,
-    ties_merge,
-    trim_offsets,
-)
+from hivekeeper.hivemind_ext.merging import AllOrNothingRunner, MergingAverager, agreeing_offsets, disjoint_mean
+from hivekeeper.swarm.merging import MergeResult, SimpleMerger, TiesMerger, simple_average, ties_merge, trim_offsets
 
 SHAPES = [(40, 100), (2000,), (7,)]  # 6,007 elements
 PART_BYTES = 4000  # 1,000 float32 per part: round 2 (12,014 values) has several parts per reducer

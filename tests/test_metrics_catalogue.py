@@ -13,7 +13,7 @@ from conftest import REPO
 from hivekeeper.blocks.metrics import BlockMetrics
 from hivekeeper.experts.common import ExpertMetrics
 from hivekeeper.metrics import SwarmMetrics
-from hivekeeper.volunteer.metrics import RelayMetrics
+from hivekeeper.volunteer.metrics import AuthMetrics, RelayMetrics
 from hivekeeper_operator.metrics import OperatorMetrics
 
 CATALOGUE = REPO / "docs" / "metrics.md"
@@ -25,7 +25,7 @@ def defined() -> dict[str, tuple[str, set[str]]]:
     """Exposed name -> (type, label names) of every metric of the services and the operator. A
     name several kinds export (hivekeeper_samples_total, ...) must mean the same type and labels."""
     out: dict[str, tuple[str, set[str]]] = {}
-    for metrics in (SwarmMetrics(), BlockMetrics(), ExpertMetrics(), RelayMetrics(), OperatorMetrics()):
+    for metrics in (SwarmMetrics(), BlockMetrics(), ExpertMetrics(), RelayMetrics(), AuthMetrics(), OperatorMetrics()):
         for metric in vars(metrics).values():
             if isinstance(metric, MetricWrapperBase):
                 family = metric.describe()[0]

@@ -1,5 +1,5 @@
 """The operator against a Kubernetes API: real kopf and the official client against kmock's
-emulator (with hivekeeper_operator.testing's shim: uid, resourceVersion, generation, status
+emulator (with tests/kube_emulator.py's shim: uid, resourceVersion, generation, status
 subresource, garbage collection by owner). No controller runs there, so the tests write what
 the StatefulSet and Job controllers would (readiness, completion) and fake the monitor's
 /status through the injectable reader."""
@@ -29,8 +29,8 @@ from hivekeeper_operator.kube import Kube  # noqa: E402
 from hivekeeper.local.network import free_port  # noqa: E402
 from hivekeeper_operator.reconcile import OperatorConfig  # noqa: E402
 from hivekeeper_operator.runtime import Operator  # noqa: E402
-from hivekeeper_operator.swarm import CONFIG_HASH, WorkloadSettings  # noqa: E402
-from hivekeeper_operator.testing import EmulatedCluster  # noqa: E402
+from hivekeeper_operator.pods import CONFIG_HASH, WorkloadSettings  # noqa: E402
+from kube_emulator import EmulatedCluster  # noqa: E402
 
 NS = "default"
 SWARMS = "hivekeeper.dev/v1alpha1/swarms"
@@ -500,3 +500,20 @@ def test_every_example_reconciles(cluster, client, start_operator, path):
     roles = json.loads(now[("ConfigMap", f"{name}-config")]["data"]["roles.json"])
     assert sum(r["component"] == "trainer" for r in roles.values()) == replicas["trainer"]
     assert swarm(cluster, name)["status"]["phase"] == "Pending"
+
+
+def test_closing_the_door_to_volunteers_deletes_what_it_needed(cluster, client, start_operator):
+    """The owner scan: spec.volunteers switched off, the relays, the token service, their
+    external Services and Secrets go (Secrets through the keys Secret's record: never listed);
+    everything else stays."""
+    start_operator()
+    apply_swarm(client, example("swarm-digits-volunteers.yaml"))
+    name = "digits-open"
+    door = {("StatefulSet", f"{name}-relay"), ("StatefulSet", f"{name}-auth"), ("Service", f"{name}-relay"),
+            ("Service", f"{name}-auth"), ("Service", f"{name}-relay-0"), ("Service", f"{name}-gateway"),
+            ("Secret", f"{name}-swarm-auth"), ("Secret", f"{name}-invites")}
+    opened = wait_for(lambda: (now := children(cluster, name)) and door <= set(now) and now, what="the door's children")
+    patch_swarm(client, name, {"spec": {"volunteers": {"enabled": False}}})
+    closed = wait_for(lambda: (now := children(cluster, name)) and not door & set(now) and now, what="the door gone")
+    assert set(closed) == set(opened) - door
+    assert closed[("StatefulSet", f"{name}-trainer")]["metadata"]["uid"] == opened[("StatefulSet", f"{name}-trainer")]["metadata"]["uid"]

@@ -59,10 +59,10 @@ def test_every_live_printer_column_is_filled_from_the_backbones_status(kind):
     """Each printer column the backbone's /status feeds gets a value: a figure of the wrong type
     (servedBlocks as a count, not "held/all") would be dropped by the operator without a word."""
     from hivekeeper.spec.crd import KINDS as KIND_INFO
-    from hivekeeper_operator.workloads import LIVE_FIGURES_EXCLUDED, live_figures
+    from hivekeeper_operator.status import LIVE_FIGURES_EXCLUDED, model_figures
 
     reading = backbone_reading(kind)
-    figures = live_figures(kind, reading, {})
+    figures = model_figures(kind, reading, {}, "")
     live = [c.json_path.removeprefix(".status.") for c in KIND_INFO[kind].printer_columns
             if c.json_path.startswith(".status.") and "." not in c.json_path.removeprefix(".status.")
             and c.json_path.removeprefix(".status.") not in LIVE_FIGURES_EXCLUDED]

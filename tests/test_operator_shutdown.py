@@ -24,7 +24,7 @@ import yaml  # noqa: E402
 from conftest import EXAMPLES, REPO, wait_for  # noqa: E402
 from hivekeeper.local.network import free_port  # noqa: E402
 from hivekeeper.spec.crd import KINDS, crd  # noqa: E402
-from hivekeeper_operator.testing import EmulatedCluster  # noqa: E402
+from kube_emulator import EmulatedCluster  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 SWARMS = "hivekeeper.dev/v1alpha1/swarms"

@@ -13,9 +13,9 @@ from conftest import wait_for, write_manifest
 from hivekeeper.local.runner import prepare_run
 from hivekeeper.local.supervisor import Supervisor
 from hivekeeper.spec import load_manifest
-from hivekeeper.swarm.common import read_peer_reports
+from hivekeeper.runtime.reports import read_peer_reports
 from hivekeeper.swarm.plan_record import PeerAssignment, SignedPlan, load_signing_key, publish_plan
-from hivekeeper.swarm.planned_averaging import plan_digest
+from hivekeeper.hivemind_ext.allreduce import plan_digest
 
 pytestmark = pytest.mark.isolated  # its DHT is forked from the test process (see test_planned_averaging)
 
@@ -64,7 +64,7 @@ def test_a_planned_aggregator_stops_computing_and_rejoins(tmp_path, no_leaked_p2
     supervisor = Supervisor([role for role in roles if role.component != "balancer"], run_dir / "logs")
     dht = None
     try:
-        supervisor.start(ready_first=("backbone",))
+        supervisor.start(ready_first=lambda role: role.backbone)
         dht = hivemind.DHT(initial_peers=initial_peers, client_mode=True, start=True)
         key = load_signing_key(str(run_dir / "keys" / "balancer-0.key"))
         step = lambda: status(ports["monitor-0"]).get("globalStep", -1)  # noqa: E731

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import p2pd_pids
-from hivekeeper.swarm.planned_averaging import (
+from hivekeeper.hivemind_ext.allreduce import (
     PlannedAverager,
     plan_digest,
     planned,
@@ -85,7 +85,7 @@ def window_runner(modes, parts_per_flow: int = 40):
     from hivemind.averaging.allreduce import AveragingMode
     from hivemind.p2p import PeerID
 
-    from hivekeeper.swarm.planned_averaging import _PlannedRunner
+    from hivekeeper.hivemind_ext.allreduce import _PlannedRunner
 
     peers = [PeerID(b"peer-a"), PeerID(b"peer-b")]
 

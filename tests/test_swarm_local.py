@@ -145,14 +145,15 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
         monitor_status = json.loads(http_get(ports(run_dir)["monitor-0"], "/status"))
         assert monitor_status["plan"]["stepsPerSecond"] > 0
         assert {p["name"] for p in monitor_status["plan"]["peers"]} == {"trainer-0", "trainer-1", "auxiliary-0"}
-        # The crash comes as early as the checks above allow: the run must still be far from its
-        # last step when the supervisor sees it (on a slow host the checks below take minutes).
-        crash_trainer(run_dir, 1)
         # `hivekeeper status --swarm`: every peer's report, read from the swarm's DHT.
         peers = subprocess.run([sys.executable, "-m", "hivekeeper", "status", str(run_dir), "--swarm", "digits",
                                 "--json"], capture_output=True, text=True, timeout=120)
         assert peers.returncode == 0, peers.stderr
         assert {"backbone-0", "trainer-0", "trainer-1", "auxiliary-0"} <= {r["name"] for r in json.loads(peers.stdout)}
+        # The crash comes as early as the checks above allow (they need trainer-1's report): the run
+        # must still be far from its last step when the supervisor sees it, and the panels below
+        # may take a minute on a slow host.
+        crash_trainer(run_dir, 1)
         # `--prometheus`: a real Prometheus scrapes every process, and every dashboard panel that a
         # local run can feed returns data (operator panels need a cluster).
         prometheus = (run_dir / "prometheus.url").read_text()

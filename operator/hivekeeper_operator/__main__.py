@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="watch only this namespace (repeatable; default: every namespace) "
                              "[HIVEKEEPER_WATCH_NAMESPACES, comma-separated]")
     parser.add_argument("--image", default=_env("HIVEKEEPER_IMAGE", "hivekeeper:latest"),
-                        help="image of the swarm pods [HIVEKEEPER_IMAGE]")
+                        help="image of the resources' pods [HIVEKEEPER_IMAGE]")
     parser.add_argument("--image-pull-policy", default=_env("HIVEKEEPER_IMAGE_PULL_POLICY", "IfNotPresent"))
     parser.add_argument("--image-pull-secret", action="append", default=None, dest="pull_secrets",
                         help="[HIVEKEEPER_IMAGE_PULL_SECRETS, comma-separated]")
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-port", type=int, default=int(_env("HIVEKEEPER_METRICS_PORT", "8080")),
                         help="port for /metrics, /healthz, /readyz [HIVEKEEPER_METRICS_PORT]")
     parser.add_argument("--service-monitors", choices=("auto", "off"), default=_env("HIVEKEEPER_SERVICE_MONITORS", "auto"),
-                        help="create a ServiceMonitor per swarm when the Prometheus Operator CRD exists")
+                        help="create a ServiceMonitor per resource when the Prometheus Operator CRD exists")
     parser.add_argument("--kubeconfig", default=None, help="default: in-cluster config, else $KUBECONFIG")
     parser.add_argument("--log-level", default=_env("HIVEKEEPER_LOG_LEVEL", "INFO"))
     return parser
@@ -55,19 +55,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from hivekeeper_operator.reconcile import OperatorConfig
     from hivekeeper_operator.runtime import Operator
-    from hivekeeper_operator.swarm import WorkloadSettings
+    from hivekeeper_operator.pods import WorkloadSettings
 
     namespaces = args.namespaces or [n.strip() for n in _env("HIVEKEEPER_WATCH_NAMESPACES").split(",") if n.strip()]
     pull_secrets = args.pull_secrets or [s.strip() for s in _env("HIVEKEEPER_IMAGE_PULL_SECRETS").split(",") if s.strip()]
     config = OperatorConfig(
         settings=WorkloadSettings(image=args.image, image_pull_policy=args.image_pull_policy,
                                   image_pull_secrets=tuple(pull_secrets), cluster_domain=args.cluster_domain),
-        namespaces=tuple(namespaces),
-        resync_seconds=args.resync_seconds,
-        metrics_port=args.metrics_port,
-        service_monitors=args.service_monitors,
-        kubeconfig=args.kubeconfig,
-    )
+        namespaces=tuple(namespaces), resync_seconds=args.resync_seconds, metrics_port=args.metrics_port,
+        service_monitors=args.service_monitors, kubeconfig=args.kubeconfig)
     Operator(config).run()  # until SIGTERM or SIGINT
     return 0
 

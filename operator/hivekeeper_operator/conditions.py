@@ -42,13 +42,8 @@ def render_conditions(conditions: list[Cond], previous: list[dict[str, Any]] | N
     for cond in conditions:
         old = before.get(cond.type) or {}
         changed = old.get("status") != cond.status_text
-        item = {
-            "type": cond.type,
-            "status": cond.status_text,
-            "reason": cond.reason,
-            "message": cond.message,
-            "lastTransitionTime": now if changed or not old.get("lastTransitionTime") else old["lastTransitionTime"],
-        }
+        item = {"type": cond.type, "status": cond.status_text, "reason": cond.reason, "message": cond.message,
+                "lastTransitionTime": now if changed or not old.get("lastTransitionTime") else old["lastTransitionTime"]}
         if generation is not None:
             item["observedGeneration"] = generation
         out.append(item)
@@ -56,10 +51,7 @@ def render_conditions(conditions: list[Cond], previous: list[dict[str, Any]] | N
 
 
 def condition(status: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
-    for cond in (status or {}).get("conditions") or []:
-        if cond.get("type") == type_:
-            return cond
-    return None
+    return next((c for c in (status or {}).get("conditions") or [] if c.get("type") == type_), None)
 
 
 def seconds_in_state(status: dict[str, Any] | None, type_: str, state: str, now: str) -> float:

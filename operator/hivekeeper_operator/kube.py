@@ -65,8 +65,7 @@ class Kube:
     """Plain-dict requests through a `kubernetes.client.ApiClient`."""
 
     def __init__(self, api_client: Any, request_timeout: float = 15.0):
-        self.api_client = api_client
-        self.request_timeout = request_timeout
+        self.api_client, self.request_timeout = api_client, request_timeout
         self._discovery: dict[str, tuple[float, set[str]]] = {}
         self._discovery_lock = threading.Lock()
 
@@ -128,8 +127,7 @@ class Kube:
             raise
 
     def create(self, obj: dict) -> dict:
-        meta = obj["metadata"]
-        return self.request("POST", self.path(obj["apiVersion"], obj["kind"], meta["namespace"]), body=obj)
+        return self.request("POST", self.path(obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"]), body=obj)
 
     def json_patch(self, api_version: str, kind: str, namespace: str, name: str, ops: list[dict]) -> dict:
         return self.request("PATCH", self.path(api_version, kind, namespace, name), body=ops,
@@ -182,10 +180,6 @@ def _controller(meta: dict) -> dict | None:
     return next((o for o in meta.get("ownerReferences") or [] if o.get("controller")), None)
 
 
-def _pointer(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")
-
-
 class NameConflict(Exception):
     """An object with a child's name exists and is not managed by hivekeeper."""
 
@@ -211,9 +205,7 @@ class Applier:
     def __init__(self, kube: Kube, recreate_kinds: frozenset[str] = frozenset({"Job"}),
                  create_only_kinds: frozenset[str] = frozenset({"PersistentVolumeClaim"}),
                  on_write: Callable[[str, str], None] | None = None):
-        self.kube = kube
-        self.recreate_kinds = recreate_kinds
-        self.create_only_kinds = create_only_kinds
+        self.kube, self.recreate_kinds, self.create_only_kinds = kube, recreate_kinds, create_only_kinds
         self.on_write = on_write or (lambda kind, action: None)
 
     def apply(self, desired: dict) -> ApplyResult:
@@ -230,8 +222,7 @@ class Applier:
         live_meta = live.get("metadata", {})
         if (live_meta.get("labels") or {}).get(LABEL_MANAGED_BY) != MANAGED_BY:
             raise NameConflict(f"{kind} {namespace}/{name} exists and is not managed by hivekeeper")
-        wanted_owner = _controller(meta)
-        live_owner = _controller(live_meta)
+        wanted_owner, live_owner = _controller(meta), _controller(live_meta)
         if wanted_owner and live_owner and (live_owner.get("kind"), live_owner.get("name")) != (
                 wanted_owner.get("kind"), wanted_owner.get("name")):
             raise NameConflict(f"{kind} {namespace}/{name} belongs to {live_owner.get('kind')} "
@@ -264,8 +255,9 @@ class Applier:
         for field in ("labels", "annotations"):
             if live_meta.get(field) is None:
                 ops.append({"op": "add", "path": f"/metadata/{field}", "value": {}})
-            for key, value in (meta.get(field) or {}).items():
-                ops.append({"op": "add", "path": f"/metadata/{field}/{_pointer(key)}", "value": value})
+            for key, value in (meta.get(field) or {}).items():  # the key as a JSON pointer token
+                ops.append({"op": "add", "path": f"/metadata/{field}/{key.replace('~', '~0').replace('/', '~1')}",
+                            "value": value})
         ops.append({"op": "add", "path": "/metadata/ownerReferences", "value": meta.get("ownerReferences", [])})
         return ops
 

@@ -1,12 +1,13 @@
-"""What a Swarm pod runs: `python -m hivekeeper_operator.launch --component trainer`.
+"""What every pod runs: `python -m hivekeeper_operator.launch --component trainer`.
 
 The operator renders every role's `hivekeeper run` arguments with the same topology function
 the local runner uses and puts them in the ConfigMap (roles.json). Pods of one StatefulSet
 share a template, so each pod picks its own role by its ordinal (the number at the end of a
-StatefulSet pod's name, or an Indexed Job's completion index), expands $(VAR) references from its environment as Kubernetes does in
-container args (the pod IP it announces), and execs `hivekeeper run ...` in its place.
+StatefulSet pod's name, or an Indexed Job's completion index), expands $(VAR) references from
+its environment as Kubernetes does in container args (the pod IP it announces), and execs
+`hivekeeper run ...` in its place.
 
-A Job's pod (a role whose exit ends the run: the Swarm's monitor, an Indexed Job's roles)
+A Job's pod (a role whose exit ends the run: a Swarm's monitor, a BlockServer's client...)
 runs `hivekeeper run` as a child instead, passing SIGTERM and SIGINT on, and after a successful
 exit puts the role's final report (RUN_DIR/result.json, compacted) in the container's
 termination message: the pod's emptyDir goes with it, and the operator reads the run's final
@@ -53,18 +54,14 @@ def resolve(roles: dict, component: str, index: int, environ: dict[str, str]) ->
     return [expand(arg, environ) for arg in roles[name]["args"]]
 
 
-def ends_run(component: str, environ: dict[str, str]) -> bool:
-    """A Job's pod: the Swarm's monitor, or a pod of an Indexed Job."""
-    return component == "monitor" or "JOB_COMPLETION_INDEX" in environ
-
-
-def run_dir_of(command: list[str]) -> Path | None:
-    return Path(command[command.index("--run-dir") + 1]) if "--run-dir" in command[:-1] else None
+def ends_run(environ: dict[str, str]) -> bool:
+    """A pod of an Indexed Job: its role's exit ends the run."""
+    return "JOB_COMPLETION_INDEX" in environ
 
 
 def supervise(executable: str, command: list[str], termination_log: str) -> int:
     """Run the role as a child; after a successful exit, report its result.json."""
-    run_dir = run_dir_of(command)
+    run_dir = Path(command[command.index("--run-dir") + 1]) if "--run-dir" in command[:-1] else None
     if run_dir is not None:  # an earlier container of this pod may have left one (the emptyDir stays)
         (run_dir / "result.json").unlink(missing_ok=True)
     child = subprocess.Popen(command, executable=executable)
@@ -76,21 +73,16 @@ def supervise(executable: str, command: list[str], termination_log: str) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if code == 0 and run_dir is not None:
-        write_final_report(run_dir / "result.json", Path(termination_log))
+        try:
+            Path(termination_log).write_text(final_report_message(json.loads((run_dir / "result.json").read_text())))
+        except (OSError, ValueError) as e:  # no report: the status keeps the last live figures
+            print(f"launch: no final report: {e}", file=sys.stderr)
     return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
-
-
-def write_final_report(result_path: Path, termination_log: Path) -> None:
-    try:
-        result = json.loads(result_path.read_text())
-        termination_log.write_text(final_report_message(result))
-    except (OSError, ValueError) as e:  # no report: the status keeps the last live figures
-        print(f"launch: no final report: {e}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hivekeeper_operator.launch")
-    parser.add_argument("--component", required=True, help="backbone | trainer | auxiliary | monitor")
+    parser.add_argument("--component", required=True, help="the pod's component: trainer, block-server, ...")
     parser.add_argument("--roles", default=f"{CONFIG_DIR}/roles.json")
     parser.add_argument("--index", type=int, default=None,
                         help="default: $JOB_COMPLETION_INDEX, else the ordinal in $POD_NAME")
@@ -112,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     executable = shutil.which("hivekeeper") or command[0]
     sys.stdout.flush()
-    if ends_run(args.component, dict(os.environ)):
+    if ends_run(dict(os.environ)):
         return supervise(executable, command, args.termination_log)
     os.execv(executable, command)
     return 0  # not reached

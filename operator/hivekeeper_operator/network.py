@@ -23,9 +23,7 @@ class KubernetesNetwork:
 
     def __init__(self, swarm: str, namespace: str, cluster_domain: str = "cluster.local",
                  relay_public_hosts: Sequence[Optional[str]] = (), relay_port: int = P2P_PORT):
-        self.swarm = swarm
-        self.namespace = namespace
-        self.cluster_domain = cluster_domain
+        self.swarm, self.namespace, self.cluster_domain = swarm, namespace, cluster_domain
         self.relay_public_hosts = list(relay_public_hosts)  # None: its LoadBalancer has no address yet
         self.relay_port = relay_port  # the first relay's public port (volunteers.relayPort)
 
@@ -54,10 +52,5 @@ class KubernetesNetwork:
         return f"{host}:{self.relay_port + index}" if host else None
 
     def access_path(self, name: str) -> str:
-        if name == "swarm-auth.pem":
-            return f"{SWARM_KEY_DIR}/{name}"
-        if name == "allowlist":
-            return f"{ALLOWLIST_DIR}/{name}"
-        if name == "swarm-info.json":
-            return f"{CONFIG_DIR}/{name}"
-        return f"{INVITES_DIR}/{name}"
+        directory = {"swarm-auth.pem": SWARM_KEY_DIR, "allowlist": ALLOWLIST_DIR, "swarm-info.json": CONFIG_DIR}
+        return f"{directory.get(name, INVITES_DIR)}/{name}"

@@ -1,8 +1,8 @@
-"""Reading a swarm's live figures. The operator asks the monitor's /status (the same JSON
-`hivekeeper status` shows locally) through the monitor's headless Service; tests pass their
-own reader instead.
+"""Reading a resource's live figures. The operator asks its reporter's /status (the same JSON
+`hivekeeper status` shows locally: a Swarm's monitor, another kind's first backbone peer, which
+sums up what the peers announce); tests pass their own reader instead.
 
-Once the run is over the monitor no longer answers, and its last /status reading predates its
+Once the run is over the reporter no longer answers, and its last /status reading predates the
 final evaluation: the run's final figures are in the role's result.json, which the pod launcher
 puts in the container's termination message (`final_report_message`) and the operator reads
 back from the Job's pod (`final_report_of`)."""
@@ -19,12 +19,15 @@ from hivekeeper_operator.network import METRICS_PORT
 
 log = logging.getLogger("hivekeeper.operator")
 
-# (namespace, swarm name, monitor URL) -> the monitor's /status JSON, or None if it does not answer
+# (namespace, resource name, URL) -> the reporter's /status JSON, or None if it does not answer
 StatusReader = Callable[[str, str, str], Optional[dict[str, Any]]]
 
 
-def monitor_url(swarm: str, namespace: str, cluster_domain: str) -> str:
-    return f"http://{swarm}-monitor.{namespace}.svc.{cluster_domain}:{METRICS_PORT}/status"
+def status_url(name: str, namespace: str, cluster_domain: str, component: str, job: bool) -> str:
+    """A Job's pods have no stable names: ask its Service; a StatefulSet's: ask pod 0."""
+    service = f"{name}-{component}.{namespace}.svc.{cluster_domain}"
+    host = service if job else f"{name}-{component}-0.{service}"
+    return f"http://{host}:{METRICS_PORT}/status"
 
 
 def http_status_reader(timeout: float = 2.0) -> StatusReader:
@@ -34,7 +37,7 @@ def http_status_reader(timeout: float = 2.0) -> StatusReader:
                 value = json.loads(response.read())
                 return value if isinstance(value, dict) else None
         except (OSError, urllib.error.URLError, ValueError) as e:
-            log.debug("monitor status unavailable", extra={"fields": {"url": url, "error": str(e)}})
+            log.debug("status unavailable", extra={"fields": {"url": url, "error": str(e)}})
             return None
 
     return read
@@ -82,6 +85,3 @@ def final_report_of(pods: list[dict[str, Any]], job_uid: str | None) -> dict[str
                 found.append((terminated.get("finishedAt") or "", report))
     return max(found, key=lambda item: item[0])[1] if found else None
 
-
-def no_status_reader(namespace: str, name: str, url: str) -> dict[str, Any] | None:
-    return None

@@ -1,67 +1,60 @@
-"""Reconcilers: read a resource, ask the kind's pure planner what should exist, apply it,
-and write what was observed back as status. One reconciler per kind, in `controllers()`;
-the kopf handlers and the periodic resync both call `Reconciler.reconcile(namespace, name)`.
-
-The Swarm has its own planner (`swarm.py`); BlockServer and ExpertPool are planned from their
-roles alone (`workloads.py`)."""
+"""The reconciler, one for every kind: read a resource, ask the planner what should exist,
+apply it, delete what its owner scan finds no longer planned, and write what was observed back
+as status. The kopf handlers and the periodic resync both call `Reconciler.reconcile`."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from hivekeeper import API_GROUP, API_VERSION
 from hivekeeper.errors import UserError
-from hivekeeper.spec import parse_manifest
+from hivekeeper.kinds import runtime
+from hivekeeper.spec import Manifest, parse_manifest
 from hivekeeper.spec.crd import KINDS
 
-from hivekeeper.kinds import runtime
-from hivekeeper_operator import identity, readers, swarm, volunteers, workloads
+from hivekeeper_operator import identity, pods, readers, volunteers
 from hivekeeper_operator.conditions import now_rfc3339
-from hivekeeper_operator.kube import Applier, Kube, KubeError, NameConflict, register_resource
+from hivekeeper_operator.kube import LABEL_MANAGED_BY, MANAGED_BY, Applier, Kube, KubeError, NameConflict, register_resource
 from hivekeeper_operator.metrics import OperatorMetrics
-from hivekeeper_operator.readers import StatusReader, http_status_reader, monitor_url
+from hivekeeper_operator.plan import SCANNED, Plan, Request, door_of, plan, render_roles
+from hivekeeper_operator.pods import API, WorkloadSettings
+from hivekeeper_operator.status import invalid_status, resource_status, role_counts, run_completed
 
 log = logging.getLogger("hivekeeper.operator")
-API = f"{API_GROUP}/{API_VERSION}"
 
 
 @dataclass
 class OperatorConfig:
-    settings: swarm.WorkloadSettings = field(default_factory=swarm.WorkloadSettings)
+    settings: WorkloadSettings = field(default_factory=WorkloadSettings)
     namespaces: tuple[str, ...] = ()  # empty: every namespace
     resync_seconds: float = 15.0
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = 8080  # None: no HTTP endpoint (tests)
     service_monitors: str = "auto"  # auto: when the CRD is served; off: never
-    status_reader: StatusReader = field(default_factory=http_status_reader)
+    status_reader: readers.StatusReader = field(default_factory=readers.http_status_reader)
     key_generator: identity.KeyGenerator = identity.generate_key
     kubeconfig: str | None = None
     kinds: tuple[str, ...] = ("Swarm", "BlockServer", "ExpertPool")
 
 
+def _managed(obj: dict[str, Any] | None) -> bool:
+    return bool(obj) and (obj.get("metadata", {}).get("labels") or {}).get(LABEL_MANAGED_BY) == MANAGED_BY
+
+
 class Reconciler:
-    """What every kind shares: locking per object, metrics, status writes."""
+    """One kind's resources: locking per object, metrics, status writes."""
 
-    kind: str = ""
-
-    def __init__(self, kube: Kube, config: OperatorConfig, metrics: OperatorMetrics):
-        self.kube = kube
-        self.config = config
-        self.metrics = metrics
-        self.info = KINDS[self.kind]
-        register_resource(API, self.kind, self.info.plural)
-        self.applier = Applier(kube, on_write=lambda child, action: metrics.writes.labels(self.kind, child, action).inc())
+    def __init__(self, kind: str, kube: Kube, config: OperatorConfig, metrics: OperatorMetrics):
+        self.kind, self.kube, self.config, self.metrics = kind, kube, config, metrics
+        self.plural = KINDS[kind].plural
+        register_resource(API, kind, self.plural)
+        self.applier = Applier(kube, on_write=lambda child, action: metrics.writes.labels(kind, child, action).inc())
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._unreported: set[tuple[str, str]] = set()  # resources whose final report could not be read
-
-    @property
-    def plural(self) -> str:
-        return self.info.plural
 
     def _lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -92,9 +85,6 @@ class Reconciler:
         self.metrics.reconciles.labels(self.kind, "success").inc()
         return result
 
-    def reconcile_object(self, obj: dict[str, Any]) -> str | None:
-        raise NotImplementedError
-
     def write_status(self, obj: dict[str, Any], status: dict[str, Any]) -> bool:
         """Merge-patch the status subresource with the top-level keys that changed (none: no write)."""
         previous = obj.get("status") or {}
@@ -107,236 +97,146 @@ class Reconciler:
         self.metrics.status_writes.labels(self.kind).inc()
         return True
 
-
-    def final_report(self, namespace: str, name: str, component: str,
-                     job: dict[str, Any] | None) -> dict[str, Any] | None:
-        """A finished Job's final report (its run's last figures), from the termination message
-        of the Job's pod: the role's result.json went with the pod's emptyDir."""
-        selector = f"{swarm.LABEL_SWARM}={name},{swarm.LABEL_COMPONENT}={component}"
-        try:
-            pods = self.kube.list("v1", "Pod", namespace, selector=selector)
-        except KubeError as e:  # e.g. 403: the status keeps the last live figures
-            if (namespace, name) not in self._unreported:  # once, not at every resync
-                self._unreported.add((namespace, name))
-                log.warning("cannot read a finished role's final report",
-                            extra={"fields": {"resource": f"{self.kind} {namespace}/{name}", "error": str(e)}})
-            return None
-        return readers.final_report_of(pods, ((job or {}).get("metadata") or {}).get("uid"))
-
-
-class SwarmReconciler(Reconciler):
-    kind = "Swarm"
+    def _invalid(self, obj: dict[str, Any], message: str, reason: str = "InvalidSpec") -> str:
+        meta = obj["metadata"]
+        self.write_status(obj, invalid_status(meta.get("generation"), obj.get("status"), now_rfc3339(), message, reason))
+        log.warning("invalid spec", extra={"fields": {"resource": f"{self.kind} {meta['namespace']}/{meta['name']}",
+                                                      "error": message}})
+        return "Invalid"
 
     def reconcile_object(self, obj: dict[str, Any]) -> str | None:
         meta = obj["metadata"]
-        name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
-        settings = self.config.settings
-        now = now_rfc3339()
+        name, namespace = meta["name"], meta["namespace"]
         document = {k: obj[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in obj}
         try:
             manifest = parse_manifest(document, source=f"{self.kind} {namespace}/{name}")
         except UserError as e:
-            status = swarm.swarm_status(generation=generation, previous=obj.get("status"), now=now, plan=None,
-                                        observed=None, invalid=str(e), settings=settings, swarm=name)
-            self.write_status(obj, status)
-            log.warning("invalid spec", extra={"fields": {"swarm": f"{namespace}/{name}", "error": str(e)}})
-            return "Invalid"
-        spec = manifest.spec
+            return self._invalid(obj, str(e))
+        kind = runtime(self.kind)
 
-        # Peer keys first: everyone's arguments name the backbone's, the balancer's and the relays' peer IDs.
-        secret = self.kube.get("v1", "Secret", namespace, swarm.keys_secret_name(name))
+        # Keys first: everyone's arguments name the identity roles' peer IDs.
+        secret = self.kube.get("v1", "Secret", namespace, pods.keys_secret_name(name))
         existing = (secret or {}).get("data") if _managed(secret) else None
-        identities = runtime(self.kind).identity_roles(manifest)
-        keys_data, ids = identity.ensure_role_keys(existing, identities, self.config.key_generator)
+        identities = kind.identity_roles(manifest)
+        keys_data, peer_ids = identity.ensure_role_keys(existing, identities, self.config.key_generator)
+        recorded = pods.owned_secrets(secret if _managed(secret) else None)
         if secret is None or keys_data != existing:
-            # Store new keys before anything names them; if another writer (an operator instance
-            # that is shutting down) stored different ones first, theirs win.
+            # Stored before anything names them; if another writer (an operator instance that is
+            # shutting down) stored different ones first, theirs win.
             try:
-                live = self.applier.apply(swarm.keys_secret(obj, name, namespace, keys_data)).live
+                live = self.applier.apply(pods.keys_secret(obj, keys_data, sorted(recorded))).live
             except NameConflict as e:
-                live = None
-                error = str(e)
-            else:
-                error = None
-                keys_data, ids = identity.ensure_role_keys(live.get("data"), identities, self.config.key_generator)
-            if error:
-                status = swarm.swarm_status(generation=generation, previous=obj.get("status"), now=now, plan=None,
-                                            observed=None, invalid=error, invalid_reason="NameConflict",
-                                            settings=settings, swarm=name)
-                self.write_status(obj, status)
-                return "Invalid"
-
-        peer_ids = [ids[f"backbone-{i}"] for i in range(spec.backbone.replicas)]
-        balancer_id = ids.get("balancer-0")
-        access = self._volunteer_access(obj, manifest, peer_ids, balancer_id, ids) if spec.volunteers.enabled else None
+                return self._invalid(obj, str(e), "NameConflict")
+            keys_data, peer_ids = identity.ensure_role_keys(live.get("data"), identities, self.config.key_generator)
 
         service_monitor = self.config.service_monitors == "auto" and self.kube.serves(
             "monitoring.coreos.com/v1", "servicemonitors")
-        job = self.kube.get("batch/v1", "Job", namespace, swarm.child_name(name, "monitor")) if spec.monitor.enabled else None
-        plan = swarm.plan_swarm(obj, manifest, peer_ids, keys_data, settings, balancer_id=balancer_id,
-                                service_monitor=service_monitor, access=access)
-        completed = spec.monitor.enabled and swarm.run_completed(job, plan.hashes["monitor"])
+        request = Request(obj, manifest, peer_ids, keys_data, self.config.settings,
+                          access=self._volunteer_access(manifest, peer_ids), service_monitor=service_monitor)
+        wanted = plan(request)
+        jobs = {c.name: self.kube.get("batch/v1", "Job", namespace, pods.child_name(name, c.name))
+                for c in wanted.components if c.job}
+        completed = run_completed(wanted, jobs)
         if completed:
-            plan = swarm.plan_swarm(obj, manifest, peer_ids, keys_data, settings, balancer_id=balancer_id, completed=True,
-                                    service_monitor=service_monitor, access=access)
+            wanted = plan(replace(request, completed=True))
 
-        observed = swarm.Observed(workloads={})
-        for child in plan.children:
-            try:
-                result = self.applier.apply(child)
-            except NameConflict as e:
-                observed.error, observed.error_reason = str(e), "NameConflict"
-                continue
-            component = child["metadata"]["labels"].get(swarm.LABEL_COMPONENT)
-            if child["kind"] in ("StatefulSet", "Job"):
-                observed.workloads[component] = result.live
-            if child["metadata"]["name"] == volunteers.gateway_service_name(name) and not plan.volunteer_gateway:
-                host = spec.volunteers.public_host or volunteers.ingress_host(result.live)
-                plan.volunteer_gateway = f"{host}:{spec.volunteers.gateway_port}" if host else None
-        wanted = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in plan.children}
-        for api_version, kind, child in swarm.all_children(name):
-            if (api_version, kind, child) in wanted:
-                continue
-            if kind == "ServiceMonitor" and not service_monitor:
-                continue
-            self.applier.delete_if_managed(api_version, kind, namespace, child)
-
-        monitor = observed.workloads.get("monitor")
-        if monitor is not None and int((monitor.get("status") or {}).get("active") or 0) > 0:
-            observed.monitor = self.config.status_reader(
-                namespace, name, monitor_url(name, namespace, settings.cluster_domain))
-            self.metrics.monitor_reads.labels("ok" if observed.monitor else "unavailable").inc()
-
-        if completed:
-            observed.final_report = self.final_report(namespace, name, "monitor", job)
-
-        status = swarm.swarm_status(generation=generation, previous=obj.get("status"), now=now, plan=plan,
-                                    observed=observed, completed=completed, settings=settings, swarm=name)
+        workloads, error, error_reason = self._apply(wanted, request)
+        self._delete_unwanted(obj, wanted, recorded)
+        status = resource_status(
+            kind=self.kind, generation=meta.get("generation"), previous=obj.get("status"), now=now_rfc3339(),
+            plan=wanted, workloads=workloads, name=name, reading=self._reading(manifest, wanted, workloads, completed),
+            reports=self._final_reports(namespace, name, wanted, jobs) if completed else [], completed=completed,
+            error=error, error_reason=error_reason, settings=self.config.settings)
         self.write_status(obj, status)
         return status["phase"]
 
-    def _volunteer_access(self, obj: dict[str, Any], manifest: Any, peer_ids: list[str], balancer_id: str | None,
-                          ids: dict[str, str]) -> "swarm.VolunteerAccess":
+    def _apply(self, wanted: Plan, request: Request) -> tuple[dict[str, Any], str | None, str]:
+        """Apply every child; the live workloads by component, and a name conflict if one was met."""
+        workloads: dict[str, Any] = {}
+        error, reason = None, "ReconcileError"
+        door = door_of(request.manifest)
+        gateway = volunteers.gateway_service_name(request.manifest.metadata.name)
+        for child in wanted.children:
+            try:
+                result = self.applier.apply(child)
+            except NameConflict as e:
+                error, reason = str(e), "NameConflict"
+                continue
+            if child["kind"] in ("StatefulSet", "Job"):
+                workloads[child["metadata"]["labels"][pods.LABEL_COMPONENT]] = result.live
+            if door is not None and child["kind"] == "Service" and child["metadata"]["name"] == gateway \
+                    and not wanted.volunteer_gateway:
+                host = volunteers.ingress_host(result.live)
+                wanted.volunteer_gateway = f"{host}:{door.gateway_port}" if host else None
+        return workloads, error, reason
+
+    def _delete_unwanted(self, owner: dict[str, Any], wanted: Plan, recorded_secrets: set[str]) -> None:
+        """The owner scan: children of this resource the plan no longer has (a component
+        switched off, volunteers closed)."""
+        meta = owner["metadata"]
+        namespace = meta["namespace"]
+        planned = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in wanted.children}
+        for api_version, kind in SCANNED:
+            for child in self.kube.list(api_version, kind, namespace, selector=pods.selector(meta["name"])):
+                child_meta = child.get("metadata") or {}
+                owned = any(ref.get("uid") == meta.get("uid") for ref in child_meta.get("ownerReferences") or [])
+                if owned and (api_version, kind, child_meta.get("name")) not in planned:
+                    self.applier.delete_if_managed(api_version, kind, namespace, child_meta["name"])
+        for secret in sorted(recorded_secrets - {name for _, kind, name in planned if kind == "Secret"}):
+            live = self.kube.get("v1", "Secret", namespace, secret)
+            refs = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
+            if any(ref.get("uid") == meta.get("uid") for ref in refs):
+                self.applier.delete_if_managed("v1", "Secret", namespace, secret)
+
+    def _volunteer_access(self, manifest: Manifest, peer_ids: dict[str, str]) -> volunteers.VolunteerAccess | None:
         """The signing key and invites (made once, kept in Secrets) and each relay's public host."""
+        door = door_of(manifest)
+        if door is None:
+            return None
         name, namespace = manifest.metadata.name, manifest.metadata.namespace
-        door = manifest.spec.volunteers
         secrets = [self.kube.get("v1", "Secret", namespace, secret_name) for secret_name in
                    (volunteers.swarm_auth_secret_name(name), volunteers.invites_secret_name(name))]
         services = [self.kube.get("v1", "Service", namespace, volunteers.relay_service_name(name, i))
                     for i in range(door.relays)]
         hosts = volunteers.public_hosts(door, services)
-        roles = swarm.render_roles(manifest, peer_ids, self.config.settings, balancer_id, hosts)
+        roles = render_roles(manifest, peer_ids, self.config.settings, hosts)
         auth_data, invites_data = volunteers.ensure_access(
             *[(s or {}).get("data") if _managed(s) else None for s in secrets], name, roles)
-        return swarm.VolunteerAccess(relay_ids=[ids[f"relay-{i}"] for i in range(door.relays)], relay_hosts=hosts,
-                                     auth_data=auth_data, invites_data=invites_data)
+        return volunteers.VolunteerAccess(relay_hosts=hosts, auth_data=auth_data, invites_data=invites_data)
 
+    def _reading(self, manifest: Manifest, wanted: Plan, workloads: dict[str, Any], completed: bool) -> dict | None:
+        """The reporter's /status (a Swarm's monitor; by default the first backbone peer), once it runs."""
+        reporter = runtime(self.kind).status_component
+        source = wanted.component(reporter) if reporter else next((c for c in wanted.components if c.backbone), None)
+        if source is None or role_counts(source, workloads.get(source.name), completed)["ready"] < 1:
+            return None
+        meta = manifest.metadata
+        reading = self.config.status_reader(meta.namespace, meta.name, readers.status_url(
+            meta.name, meta.namespace, self.config.settings.cluster_domain, source.name, source.job))
+        self.metrics.monitor_reads.labels("ok" if reading else "unavailable").inc()
+        return reading
 
-class WorkloadReconciler(Reconciler):
-    """A kind planned from its roles alone (`workloads.py`): BlockServer, ExpertPool."""
-
-    CHILD_TYPES = (("v1", "Service"), ("apps/v1", "StatefulSet"), ("batch/v1", "Job"),
-                   ("policy/v1", "PodDisruptionBudget"))
-
-    def reconcile_object(self, obj: dict[str, Any]) -> str | None:
-        meta = obj["metadata"]
-        name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
-        settings, now = self.config.settings, now_rfc3339()
-
-        def invalid(message: str, reason: str = "InvalidSpec") -> str:
-            self.write_status(obj, workloads.workload_status(
-                kind=self.kind, generation=generation, previous=obj.get("status"), now=now, plan=None,
-                workloads=None, invalid=message, invalid_reason=reason, settings=settings, name=name))
-            log.warning("invalid spec", extra={"fields": {"resource": f"{self.kind} {namespace}/{name}",
-                                                          "error": message}})
-            return "Invalid"
-
-        document = {k: obj[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in obj}
-        try:
-            manifest = parse_manifest(document, source=f"{self.kind} {namespace}/{name}")
-        except UserError as e:
-            return invalid(str(e))
-        identities = runtime(self.kind).identity_roles(manifest)
-        secret = self.kube.get("v1", "Secret", namespace, swarm.keys_secret_name(name))
-        existing = (secret or {}).get("data") if _managed(secret) else None
-        keys_data, peer_ids = identity.ensure_role_keys(existing, identities, self.config.key_generator)
-        if secret is None or keys_data != existing:
-            try:  # keys first: everyone's arguments name these peer IDs
-                live = self.applier.apply(swarm.keys_secret(obj, name, namespace, keys_data)).live
-            except NameConflict as e:
-                return invalid(str(e), "NameConflict")
-            keys_data, peer_ids = identity.ensure_role_keys(live.get("data"), identities, self.config.key_generator)
-
-        service_monitor = self.config.service_monitors == "auto" and self.kube.serves(
-            "monitoring.coreos.com/v1", "servicemonitors")
-        plan = workloads.plan_workloads(obj, manifest, peer_ids, keys_data, settings, service_monitor=service_monitor)
-        jobs = {c.name: self.kube.get("batch/v1", "Job", namespace, swarm.child_name(name, c.name))
-                for c in plan.components if c.job}
-        completed = workloads.run_completed(plan, jobs)
-        if completed:
-            plan = workloads.plan_workloads(obj, manifest, peer_ids, keys_data, settings, completed=True,
-                                            service_monitor=service_monitor)
-
-        observed: dict[str, dict[str, Any] | None] = {}
-        error, error_reason = None, "ReconcileError"
-        for child in plan.children:
+    def _final_reports(self, namespace: str, name: str, wanted: Plan, jobs: dict[str, Any]) -> list[dict[str, Any]]:
+        """The final reports (the run's last figures) of the roles that ended it, from the
+        termination messages of their Jobs' pods: result.json went with the pod's emptyDir."""
+        reports = []
+        for component in (c for c in wanted.components if c.job):
             try:
-                result = self.applier.apply(child)
-            except NameConflict as e:
-                error, error_reason = str(e), "NameConflict"
+                found = self.kube.list("v1", "Pod", namespace, selector=pods.selector(name, component.name))
+            except KubeError as e:  # e.g. 403: the status keeps the last live figures
+                if (namespace, name) not in self._unreported:  # once, not at every resync
+                    self._unreported.add((namespace, name))
+                    log.warning("cannot read a finished role's final report",
+                                extra={"fields": {"resource": f"{self.kind} {namespace}/{name}", "error": str(e)}})
                 continue
-            if child["kind"] in ("StatefulSet", "Job"):
-                observed[child["metadata"]["labels"][swarm.LABEL_COMPONENT]] = result.live
-        self._delete_unwanted(obj, plan)
-
-        reading = None
-        backbone = next((c for c in plan.components if workloads.is_backbone(c.name)), None)
-        url = workloads.live_status_url(plan, name, namespace, settings.cluster_domain)
-        if backbone and url and int(((observed.get(backbone.name) or {}).get("status") or {}).get("readyReplicas") or 0):
-            reading = self.config.status_reader(namespace, name, url)
-            self.metrics.monitor_reads.labels("ok" if reading else "unavailable").inc()
-        status = workloads.workload_status(
-            kind=self.kind, generation=generation, previous=obj.get("status"), now=now, plan=plan, workloads=observed,
-            reading=reading, completed=completed, error=error, error_reason=error_reason, settings=settings, name=name)
-        if completed:  # the roles that ended the run left their last figures behind
-            for component in (c for c in plan.components if c.job):
-                report = self.final_report(namespace, name, component.name, jobs.get(component.name))
-                status.update(workloads.final_figures(self.kind, report, status))
-        self.write_status(obj, status)
-        return status["phase"]
-
-    def _delete_unwanted(self, owner: dict[str, Any], plan: "workloads.WorkloadPlan") -> None:
-        """Children of this resource that the plan no longer has (a component switched off)."""
-        meta = owner["metadata"]
-        wanted = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in plan.children}
-        for api_version, kind in self.CHILD_TYPES:
-            for child in self.kube.list(api_version, kind, meta["namespace"]):
-                child_meta = child.get("metadata") or {}
-                owned = any(ref.get("uid") == meta.get("uid") for ref in child_meta.get("ownerReferences") or [])
-                if owned and (api_version, kind, child_meta.get("name")) not in wanted:
-                    self.applier.delete_if_managed(api_version, kind, meta["namespace"], child_meta["name"])
-
-
-class BlockServerReconciler(WorkloadReconciler):
-    kind = "BlockServer"
-
-
-class ExpertPoolReconciler(WorkloadReconciler):
-    kind = "ExpertPool"
-
-
-def _managed(obj: dict[str, Any] | None) -> bool:
-    from hivekeeper_operator.kube import LABEL_MANAGED_BY, MANAGED_BY
-
-    return bool(obj) and (obj.get("metadata", {}).get("labels") or {}).get(LABEL_MANAGED_BY) == MANAGED_BY
-
-
-CONTROLLER_CLASSES: dict[str, Callable[..., Reconciler]] = {
-    "Swarm": SwarmReconciler, "BlockServer": BlockServerReconciler, "ExpertPool": ExpertPoolReconciler}
+            report = readers.final_report_of(found, ((jobs.get(component.name) or {}).get("metadata") or {}).get("uid"))
+            if report is not None:
+                reports.append(report)
+        return reports
 
 
 def controllers(kube: Kube, config: OperatorConfig, metrics: OperatorMetrics) -> dict[str, Reconciler]:
-    unknown = [k for k in config.kinds if k not in CONTROLLER_CLASSES]
+    unknown = [k for k in config.kinds if k not in KINDS]
     if unknown:
         raise ValueError(f"no reconciler for kinds: {', '.join(unknown)}")
-    return {kind: CONTROLLER_CLASSES[kind](kube, config, metrics) for kind in config.kinds}
+    return {kind: Reconciler(kind, kube, config, metrics) for kind in config.kinds}

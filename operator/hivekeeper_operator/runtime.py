@@ -30,11 +30,6 @@ log = logging.getLogger("hivekeeper.operator")
 LIVENESS_SECONDS = 60.0
 
 
-def warm_imports() -> None:
-    import hivekeeper.tasks  # noqa: F401
-    import hivemind.p2p  # noqa: F401
-
-
 def authorization_header(configuration: Any) -> str | None:
     """The Authorization header the official client itself sends. Its loaders keep the whole
     header ("bearer TOKEN", "Basic ...") under api_key['BearerToken'] (client >= 36; before:
@@ -53,17 +48,11 @@ def connection_info(configuration: Any) -> kopf.ConnectionInfo:
         scheme, token = "Bearer", scheme
     basic = not header  # kopf prefers username/password to a token; the client sends its header alone
     return kopf.ConnectionInfo(
-        server=configuration.host,
-        ca_path=configuration.ssl_ca_cert,
-        insecure=not configuration.verify_ssl,
+        server=configuration.host, ca_path=configuration.ssl_ca_cert, insecure=not configuration.verify_ssl,
         username=(configuration.username or None) if basic else None,
-        password=(configuration.password or None) if basic else None,
-        scheme=scheme or None,
-        token=token.strip() or None,
-        certificate_path=configuration.cert_file,
-        private_key_path=configuration.key_file,
-        proxy_url=configuration.proxy,
-    )
+        password=(configuration.password or None) if basic else None, scheme=scheme or None,
+        token=token.strip() or None, certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file, proxy_url=configuration.proxy)
 
 
 class OperatorEndpoint(ServiceEndpoint):
@@ -106,7 +95,7 @@ class Operator:
         def login(**_: Any) -> kopf.ConnectionInfo:  # again on every 401: a rotated token is read then
             return connection_info(configuration)
 
-        for kind, controller in self.controllers.items():
+        for controller in self.controllers.values():
             self._register(registry, controller)
         return registry
 
@@ -119,9 +108,8 @@ class Operator:
 
         resource = (API_GROUP, API_VERSION, controller.plural)
         kind = controller.kind.lower()
-        kopf.on.resume(*resource, id=f"{kind}-resume", registry=registry)(handle)
-        kopf.on.create(*resource, id=f"{kind}-create", registry=registry)(handle)
-        kopf.on.update(*resource, id=f"{kind}-update", registry=registry)(handle)
+        for event in (kopf.on.resume, kopf.on.create, kopf.on.update):
+            event(*resource, id=f"{kind}-{event.__name__}", registry=registry)(handle)
 
     def kopf_settings(self) -> kopf.OperatorSettings:
         settings = kopf.OperatorSettings()
@@ -207,18 +195,10 @@ class Operator:
         # keep the shutdown waiting 5 s for them.
         tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._resync_loop())]
         try:
-            # Validating a spec checks its task's options (torch) and backbone keys are hivemind's:
-            # import both before the first reconcile, not inside it.
-            await asyncio.to_thread(warm_imports)
-            await kopf.operator(
-                registry=self.registry,
-                settings=self.kopf_settings(),
-                clusterwide=not self.config.namespaces,
-                namespaces=list(self.config.namespaces),
-                standalone=True,  # one replica; no kopf peering CRDs needed
-                stop_flag=self.stop_flag,
-                ready_flag=self.ready_flag,
-            )
+            await kopf.operator(registry=self.registry, settings=self.kopf_settings(),
+                                clusterwide=not self.config.namespaces, namespaces=list(self.config.namespaces),
+                                standalone=True,  # one replica; no kopf peering CRDs needed
+                                stop_flag=self.stop_flag, ready_flag=self.ready_flag)
         finally:
             # However kopf ended (an error; a signal its own handlers caught before ours were back),
             # release its executor thread that waits on the stop flag: asyncio.run joins it.

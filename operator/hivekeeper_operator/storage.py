@@ -36,10 +36,9 @@ class CheckpointStorage:
 def checkpoint_storage(manifest: Manifest, meta: Callable[[str, str], dict[str, Any]]) -> CheckpointStorage | None:
     """What an ExpertPool's spec asks for (None: checkpoints stay in each pod's emptyDir).
     `meta(name, component)` is the child metadata (labels, owner reference) of the plan."""
-    if manifest.kind != "ExpertPool":
-        return None
-    checkpoint = manifest.spec.checkpoint
-    if not checkpoint.enabled or (checkpoint.volume_claim is None and checkpoint.existing_claim is None):
+    checkpoint = getattr(manifest.spec, "checkpoint", None)  # a kind whose spec keeps checkpoints on a claim
+    if not hasattr(checkpoint, "volume_claim") or not checkpoint.enabled or (
+            checkpoint.volume_claim is None and checkpoint.existing_claim is None):
         return None
     name = checkpoint.existing_claim or claim_name(manifest.metadata.name)
     claim = None
@@ -49,9 +48,5 @@ def checkpoint_storage(manifest: Manifest, meta: Callable[[str, str], dict[str, 
         if wanted.storage_class_name:
             spec["storageClassName"] = wanted.storage_class_name
         claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta(name, SERVER), "spec": spec}
-    return CheckpointStorage(
-        component=SERVER,
-        volume={"name": VOLUME, "persistentVolumeClaim": {"claimName": name}},
-        mount={"name": VOLUME, "mountPath": checkpoint.directory(RUN_DIR)},
-        claim=claim,
-    )
+    return CheckpointStorage(component=SERVER, volume={"name": VOLUME, "persistentVolumeClaim": {"claimName": name}},
+                             mount={"name": VOLUME, "mountPath": checkpoint.directory(RUN_DIR)}, claim=claim)

@@ -1,7 +1,6 @@
-"""A Swarm's door for volunteers (spec.volunteers), as pure functions.
+"""A resource's door for volunteers (spec.volunteers), as pure functions.
 
-Children, when enabled (besides the relay and auth StatefulSets that `swarm.py` plans like any
-role):
+Children, when enabled (besides the relay and auth roles, planned like any other):
   NAME-swarm-auth  Secret   the token-signing key (made once; only the auth pod mounts it)
   NAME-invites     Secret   an internal invite per role: every peer asks the token service
                             for its access token with it, like a volunteer with theirs
@@ -15,37 +14,76 @@ from __future__ import annotations
 
 import base64
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+
+from hivekeeper.auth.tokens import InvalidToken, mint_invite, read_invite
 from hivekeeper.spec.volunteers import VolunteersSpec
 from hivekeeper.topology import GRPC, P2P, Role
 
-MAX_RELAYS = 8  # VolunteersSpec.relays' bound: children to clean up when it shrinks
+TOKEN_SERVICE = "auth"  # the token service's component
+PLAN_SIGNER = "balancer-0"  # the role whose averaging plan volunteers follow, where there is one
 INTERNAL_INVITE_SECONDS = 365 * 24 * 3600.0
 SWARM_KEY = "swarm-auth.pem"
 
 
-def swarm_auth_secret_name(swarm: str) -> str:
-    return f"{swarm}-swarm-auth"
+def swarm_auth_secret_name(name: str) -> str:
+    return f"{name}-swarm-auth"
 
 
-def invites_secret_name(swarm: str) -> str:
-    return f"{swarm}-invites"
+def invites_secret_name(name: str) -> str:
+    return f"{name}-invites"
 
 
-def relay_service_name(swarm: str, index: int) -> str:
-    return f"{swarm}-relay-{index}"
+def relay_service_name(name: str, index: int) -> str:
+    return f"{name}-relay-{index}"
 
 
-def gateway_service_name(swarm: str) -> str:
-    return f"{swarm}-gateway"
+def gateway_service_name(name: str) -> str:
+    return f"{name}-gateway"
+
+
+def relay_ids(door: VolunteersSpec, peer_ids: dict[str, str]) -> list[str]:
+    return [peer_ids[f"relay-{i}"] for i in range(door.relays)]
+
+
+@dataclass
+class VolunteerAccess:
+    """What admitting volunteers needs besides the roles: made once, kept in Secrets."""
+
+    relay_hosts: list[Optional[str]]  # public host of each relay, None while unknown
+    auth_data: dict[str, str]  # Secret data: the signing key
+    invites_data: dict[str, str]  # Secret data: every role's invite
+
+
+class _SigningKey:
+    """The swarm key as `hivekeeper.auth.tokens` uses it (hivemind's RSA scheme: PSS, SHA-256,
+    base64 signatures), without importing hivemind."""
+
+    _PADDING = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH)
+
+    def __init__(self, key: Any):
+        self.key = key
+
+    def sign(self, data: bytes) -> bytes:
+        return base64.b64encode(self.key.sign(data, self._PADDING, hashes.SHA256()))
+
+    def get_public_key(self) -> "_SigningKey":
+        return _SigningKey(self.key.public_key())
+
+    def verify(self, data: bytes, signature: bytes) -> bool:
+        try:
+            self.key.verify(base64.b64decode(signature), data, self._PADDING, hashes.SHA256())
+            return True
+        except Exception:  # noqa: BLE001 (bad base64 or signature: not ours)
+            return False
 
 
 def generate_swarm_key() -> bytes:
     """A fresh token-signing key, PEM."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import rsa
-
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
@@ -56,20 +94,15 @@ def ensure_access(auth_data: Optional[dict[str, str]], invites_data: Optional[di
                   now: Optional[float] = None) -> tuple[dict[str, str], dict[str, str]]:
     """Secret `data` for the signing key (kept once made) and for the invites: one for every
     role but the token service's own, existing ones kept while their key is the current one."""
-    from cryptography.hazmat.primitives import serialization
-
-    from hivekeeper.auth.keys import wrap_private_key
-    from hivekeeper.auth.tokens import InvalidToken, mint_invite, read_invite
-
     auth = dict(auth_data or {})
     if SWARM_KEY not in auth:
         auth[SWARM_KEY] = base64.b64encode(generate()).decode()
-    key = wrap_private_key(serialization.load_pem_private_key(base64.b64decode(auth[SWARM_KEY]), password=None))
+    key = _SigningKey(serialization.load_pem_private_key(base64.b64decode(auth[SWARM_KEY]), password=None))
     public = key.get_public_key()
     now = time.time() if now is None else now
     invites: dict[str, str] = {}
     for role in roles:
-        if role.component == "auth":
+        if role.component == TOKEN_SERVICE:
             continue
         name = f"{role.name}.invite"
         kept = (invites_data or {}).get(name)

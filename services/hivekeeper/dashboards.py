@@ -53,10 +53,7 @@ def _panel(panel: Panel, index: int) -> dict:
     width = 6 if panel.kind == "stat" else 12
     per_row = 24 // width
     return {
-        "id": index + 1,
-        "type": panel.kind,
-        "title": panel.title,
-        "description": panel.description,
+        "id": index + 1, "type": panel.kind, "title": panel.title, "description": panel.description,
         "datasource": {"type": "prometheus", "uid": "${datasource}"},
         "gridPos": {"h": 4 if panel.kind == "stat" else 8, "w": width, "x": (index % per_row) * width,
                     "y": (index // per_row) * 8},
@@ -86,21 +83,15 @@ def _variables(names: tuple[str, ...]) -> list[dict]:
 
 
 def render(dashboard: Dashboard) -> dict:
-    return {
-        "uid": dashboard.uid,
-        "title": dashboard.title,
-        "description": dashboard.description,
-        "tags": list(dashboard.tags),
-        "schemaVersion": SCHEMA_VERSION,
-        "editable": True,
-        "time": {"from": "now-1h", "to": "now"},
-        "refresh": "10s",
-        "templating": {"list": _variables(dashboard.variables)},
-        "panels": [_panel(panel, i) for i, panel in enumerate(dashboard.panels)],
-    }
+    return {"uid": dashboard.uid, "title": dashboard.title, "description": dashboard.description,
+            "tags": list(dashboard.tags), "schemaVersion": SCHEMA_VERSION, "editable": True,
+            "time": {"from": "now-1h", "to": "now"}, "refresh": "10s",
+            "templating": {"list": _variables(dashboard.variables)},
+            "panels": [_panel(panel, i) for i, panel in enumerate(dashboard.panels)]}
 
 
 MONITOR = identity("swarm", role="monitor")
+BALANCER = identity("swarm", role="balancer")
 AVERAGING_PEERS = identity("swarm, peer", role="trainer|auxiliary")
 
 SWARM_OVERVIEW = Dashboard(
@@ -131,8 +122,7 @@ SWARM_OVERVIEW = Dashboard(
                       "{{peer}}"),)),
         Panel("Optimizer steps/s",
               (Target(f"max by (swarm) (deriv(hivekeeper_global_step[$__rate_interval]) * {MONITOR})", "achieved"),
-               Target(f"max by (swarm) (hivekeeper_plan_steps_per_second * {identity('swarm', role='balancer')})",
-                      "planned")),
+               Target(f"max by (swarm) (hivekeeper_plan_steps_per_second * {BALANCER})", "planned")),
               description="achieved (the monitor's global step) against the averaging plan's prediction"),
     ),
 )
@@ -159,20 +149,16 @@ AVERAGING = Dashboard(
         Panel("Measured download", (Target(f"hivekeeper_download_bytes_per_second * {AVERAGING_PEERS}", "{{peer}}"),),
               unit="Bps"),
         Panel("Planned vs achieved steps/s",
-              (Target(f"max by (swarm) (hivekeeper_plan_steps_per_second * {identity('swarm', role='balancer')})",
-                      "planned"),
+              (Target(f"max by (swarm) (hivekeeper_plan_steps_per_second * {BALANCER})", "planned"),
                Target(f"max by (swarm) (deriv(hivekeeper_global_step[$__rate_interval]) * {MONITOR})", "achieved"))),
         Panel("Aggregation share by peer",
-              (Target(f"max by (peer) (hivekeeper_plan_aggregation_share * {identity('swarm', role='balancer')})",
-                      "{{peer}}"),), unit="percentunit"),
-        Panel("Plan bounds",
-              (Target(f"max(hivekeeper_plan_compute_bound_steps_per_second * {identity('swarm', role='balancer')})",
-                      "compute"),
-               Target(f"max(hivekeeper_plan_aggregation_bound_steps_per_second * "
-                      f"{identity('swarm', role='balancer')})", "aggregation"))),
-        Panel("Plan age", (Target(f"time() - max(hivekeeper_plan_last_update_timestamp_seconds * "
-                                  f"{identity('swarm', role='balancer')})", "seconds since the last plan"),),
-              unit="s", kind="stat"),
+              (Target(f"max by (peer) (hivekeeper_plan_aggregation_share * {BALANCER})", "{{peer}}"),),
+              unit="percentunit"),
+        Panel("Plan bounds", (Target(f"max(hivekeeper_plan_compute_bound_steps_per_second * {BALANCER})", "compute"),
+                              Target(f"max(hivekeeper_plan_aggregation_bound_steps_per_second * {BALANCER})",
+                                     "aggregation"))),
+        Panel("Plan age", (Target(f"time() - max(hivekeeper_plan_last_update_timestamp_seconds * {BALANCER})",
+                                  "seconds since the last plan"),), unit="s", kind="stat"),
     ),
 )
 
@@ -198,7 +184,7 @@ OPERATOR = Dashboard(
 )
 
 SERVERS = identity("swarm, peer", role="block-server")
-BLOCKS_BACKBONE = identity("swarm", role="block-backbone")
+BLOCKS_BACKBONE = identity("swarm", role="backbone-blocks")
 
 BLOCK_SERVER = Dashboard(
     uid="hivekeeper-blockserver", title="hivekeeper / BlockServer",
@@ -286,11 +272,10 @@ def files() -> dict[str, str]:
 def write(out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, text in files().items():
+    written = files()
+    for name, text in written.items():
         (out / name).write_text(text)
-        paths.append(out / name)
-    return paths
+    return [out / name for name in written]
 
 
 def expressions(substitutions: dict[str, str]) -> list[tuple[str, str, str, str]]:

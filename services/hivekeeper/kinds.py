@@ -1,6 +1,7 @@
-"""What each kind of resource runs: the roles (processes locally, pods in a cluster) and which
-of them need a key made before anything starts (others must know their peer IDs in advance).
-The local runner looks kinds up here; each kind's topology lives with its package."""
+"""What each kind of resource runs: the roles (processes locally, pods in a cluster), which of
+them need a key made before anything starts (others must know their peer IDs in advance), and
+the `hivekeeper run` roles it brings. Every kind is a package whose `kind` module exposes its
+`RUNTIME`; the local runner, `hivekeeper run` and the operator look kinds up here."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from hivekeeper.runtime.arguments import RoleEntry
 from hivekeeper.spec import Manifest
-from hivekeeper.topology import Network, Role, swarm_roles
+from hivekeeper.topology import Network, Role
 
 # (manifest, network, peer IDs of the identity roles by role name, manifest path, run dir) -> roles
 RolesFunction = Callable[[Manifest, Network, dict[str, str], str, str], list[Role]]
@@ -25,35 +27,28 @@ class KindRuntime:
     # components whose roles depend on replica counts (an expert server's share of the grid):
     # the operator restarts their pods when a count changes, instead of only adding or removing
     scale_restarts: tuple[str, ...] = ()
+    # component -> the `hivekeeper run` role that runs it
+    role_modules: dict[str, RoleEntry] = field(default_factory=dict)
+    # For the operator. spec section -> the components that read it (unlisted sections are read
+    # by all): a change to a section restarts only the pods of its readers.
+    section_readers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # seconds a stopping pod gets to finish what it is doing (its termination grace period)
+    stop_grace_seconds: Callable[[Manifest], int] = lambda manifest: 60
+    # the component whose /status sums up the resource (None: the first backbone peer's)
+    status_component: Optional[str] = None
+    # the component a volunteer runs (`hivekeeper join`); None: the kind takes no volunteers
+    volunteer_role: Optional[str] = None
 
 
-def _swarm_identities(manifest: Manifest) -> list[str]:
-    spec = manifest.spec
-    return ([f"backbone-{i}" for i in range(spec.backbone.replicas)] + (["balancer-0"] if spec.balancer.enabled else [])
-            + [f"relay-{i}" for i in range(spec.volunteers.relays if spec.volunteers.enabled else 0)])
-
-
-def _swarm_roles(manifest: Manifest, network: Network, peer_ids: dict[str, str], manifest_path: str,
-                 run_dir: str) -> list[Role]:
-    backbone = [peer_ids[f"backbone-{i}"] for i in range(manifest.spec.backbone.replicas)]
-    return swarm_roles(manifest, network, backbone, manifest_path, run_dir, balancer_peer_id=peer_ids.get("balancer-0"))
-
-
-_RUNTIMES: dict[str, KindRuntime] = {
-    "Swarm": KindRuntime(roles=_swarm_roles, identity_roles=_swarm_identities,
-                         target_steps=lambda manifest: manifest.spec.stopping.target_steps),
-}
-# Kinds whose runtime lives in their own package (imported on first use: they pull in torch).
-_RUNTIME_MODULES: dict[str, str] = {
+# Imported on first use: a kind's module is light, but its roles pull in torch and hivemind.
+KIND_MODULES: dict[str, str] = {
+    "Swarm": "hivekeeper.swarm.kind",
     "BlockServer": "hivekeeper.blocks.kind",
     "ExpertPool": "hivekeeper.experts.kind",
 }
 
 
 def runtime(kind: str) -> KindRuntime:
-    """The runtime of `kind`; a package's `kind` module exposes it as `RUNTIME`."""
-    if kind not in _RUNTIMES and kind in _RUNTIME_MODULES:
-        _RUNTIMES[kind] = importlib.import_module(_RUNTIME_MODULES[kind]).RUNTIME
-    if kind not in _RUNTIMES:
+    if kind not in KIND_MODULES:
         raise KeyError(f"no runtime for kind {kind!r}")
-    return _RUNTIMES[kind]
+    return importlib.import_module(KIND_MODULES[kind]).RUNTIME

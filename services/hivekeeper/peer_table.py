@@ -17,7 +17,7 @@ def read_reports(initial_peers: Sequence[str], swarm: str, authorizer=None) -> l
     requests with `authorizer` where the swarm admits peers by token)."""
     import hivemind
 
-    from hivekeeper.swarm.common import read_peer_reports
+    from hivekeeper.runtime.reports import read_peer_reports
 
     dht = hivemind.DHT(initial_peers=list(initial_peers), client_mode=True, start=True, authorizer=authorizer)
     try:

@@ -30,8 +30,7 @@ class RunHistory:
 
     def series(self, key: str) -> tuple[list[float], list[float]]:
         """(elapsed seconds, value) where the value is a finite number."""
-        points = [(e["elapsedSeconds"], e.get(key)) for e in self.entries]
-        return _finite(points)
+        return _finite([(e["elapsedSeconds"], e.get(key)) for e in self.entries])
 
     def by_step(self, key: str, step_key: str) -> tuple[list[float], list[float]]:
         seen: dict[float, float] = {}
@@ -89,11 +88,9 @@ def load_history(run_dir: Path) -> RunHistory:
             entries.append(entry)
     if not entries:
         raise UserError(f"{path}: no snapshots yet")
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    manifest_path = run_dir / "manifest.json"
-    name = json.loads(manifest_path.read_text())["metadata"]["name"] if manifest_path.exists() else run_dir.name
-    return RunHistory(name=name, entries=entries, summary=summary)
+    summary, manifest = run_dir / "summary.json", run_dir / "manifest.json"
+    name = json.loads(manifest.read_text())["metadata"]["name"] if manifest.exists() else run_dir.name
+    return RunHistory(name=name, entries=entries, summary=json.loads(summary.read_text()) if summary.exists() else {})
 
 
 def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
@@ -105,10 +102,8 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     history = load_history(run_dir)
     out = out_dir or run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
-    paths = [_plot_loss(history, out), _plot_throughput(history, out), _plot_rounds(history, out),
-             _plot_peers(history, out)]
-    paths.append(_markdown(history, out, paths))
-    return paths
+    paths = [plot(history, out) for plot in (_plot_loss, _plot_throughput, _plot_rounds, _plot_peers)]
+    return paths + [_markdown(history, out, paths)]
 
 
 def _figure(title: str, columns: int = 2):
@@ -131,10 +126,24 @@ def _empty(ax, what: str) -> None:
     ax.text(0.5, 0.5, f"no {what} yet", ha="center", va="center", transform=ax.transAxes, color="#7f7f7f")
 
 
+def _line(ax, points: tuple[list[float], list[float]], what: str, **style: Any) -> None:
+    if points[0]:
+        ax.plot(*points, **style)
+    else:
+        _empty(ax, what)
+
+
+def _label(ax, title: str | None, xlabel: str, ylabel: str) -> None:
+    if title is not None:
+        ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
 def _plot_loss(history: RunHistory, out: Path) -> Path:
     fig, (by_step, by_time) = _figure(f"{history.name}: loss and held-out metrics")
     steps, losses = history.by_step("loss", "lossStep")
-    times, time_losses = history.series("loss")
     if steps:
         by_step.plot(steps, losses, color="#1f77b4", label="training loss")
     metrics = history.eval_metrics()
@@ -149,31 +158,16 @@ def _plot_loss(history: RunHistory, out: Path) -> Path:
         by_step.legend(lines[0] + extra[0], lines[1] + extra[1], loc="center right", fontsize=8)
     if not steps and not metrics:
         _empty(by_step, "loss")
-    by_step.set_xlabel("global step")
-    by_step.set_ylabel("training loss")
-    by_step.set_title("against step")
-    if times:
-        by_time.plot(times, time_losses, color="#1f77b4")
-    else:
-        _empty(by_time, "loss")
-    by_time.set_xlabel("wall time (s)")
-    by_time.set_ylabel("training loss")
-    by_time.set_title("against time")
-    for ax in (by_step, by_time):
-        ax.grid(alpha=0.3)
+    _label(by_step, "against step", "global step", "training loss")
+    _line(by_time, history.series("loss"), "loss", color="#1f77b4")
+    _label(by_time, "against time", "wall time (s)", "training loss")
     return _save(fig, out / "loss.png")
 
 
 def _plot_throughput(history: RunHistory, out: Path) -> Path:
     fig, (samples, steps) = _figure(f"{history.name}: throughput")
-    times, rates = history.series("samplesPerSecond")
-    if times:
-        samples.plot(times, rates, color="#1f77b4")
-    else:
-        _empty(samples, "throughput")
-    samples.set_title("collaboration samples/s")
-    samples.set_xlabel("wall time (s)")
-    samples.set_ylabel("samples/s")
+    _line(samples, history.series("samplesPerSecond"), "throughput", color="#1f77b4")
+    _label(samples, "collaboration samples/s", "wall time (s)", "samples/s")
     times, step_rates = history.series("stepsPerSecond")
     if times:
         steps.plot(times, step_rates, color="#2ca02c", label="achieved (last minute)")
@@ -185,11 +179,7 @@ def _plot_throughput(history: RunHistory, out: Path) -> Path:
         steps.legend(fontsize=8)
     else:
         _empty(steps, "steps/s")
-    steps.set_title("optimizer steps/s")
-    steps.set_xlabel("wall time (s)")
-    steps.set_ylabel("steps/s")
-    for ax in (samples, steps):
-        ax.grid(alpha=0.3)
+    _label(steps, "optimizer steps/s", "wall time (s)", "steps/s")
     return _save(fig, out / "throughput.png")
 
 
@@ -214,14 +204,8 @@ def _plot_rounds(history: RunHistory, out: Path) -> Path:
     else:
         _empty(durations, "rounds")
         _empty(groups, "rounds")
-    durations.set_title("round durations")
-    durations.set_xlabel("wall time (s)")
-    durations.set_ylabel("seconds")
-    groups.set_title("group sizes of successful rounds")
-    groups.set_xlabel("peers in the group")
-    groups.set_ylabel("rounds")
-    for ax in (durations, groups):
-        ax.grid(alpha=0.3)
+    _label(durations, "round durations", "wall time (s)", "seconds")
+    _label(groups, "group sizes of successful rounds", "peers in the group", "rounds")
     return _save(fig, out / "rounds.png")
 
 
@@ -239,9 +223,7 @@ def _plot_peers(history: RunHistory, out: Path) -> Path:
     else:
         _empty(ax, "peers")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("peers")
-    ax.grid(alpha=0.3)
+    _label(ax, None, "wall time (s)", "peers")
     return _save(fig, out / "peers.png")
 
 

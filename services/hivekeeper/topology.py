@@ -9,12 +9,15 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from hivekeeper.spec import Manifest
-from hivekeeper.spec.swarm import Resources, SwarmSpec
+from hivekeeper.spec.common import Resources
+from hivekeeper.spec.volunteers import VolunteersSpec
 
 METRICS = "metrics"
 P2P = "p2p"
 GRPC = "grpc"
-PLAN_FOLLOWERS = ("trainer", "auxiliary", "monitor")  # the monitor only shows the plan
+ACCESS_STATUS_KEYS = {"relay": "relays", "auth": "auth"}  # their RoleStatus in every kind's status
+BACKBONE_RESOURCES = ACCESS_RESOURCES = Resources(cpu="250m", memory="512Mi")  # backbones, relays, token service
+VOLUNTEER_INDEX = 1000  # volunteers' roles (`hivekeeper join`) are numbered from here: apart from the replicas
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class Role:
     resources: Resources = field(default_factory=Resources)
     restart: bool = True  # restart after a crash
     completes_run: bool = False  # its successful exit means the run is done
+    backbone: bool = False  # a bootstrap peer of its kind: others dial it, so it starts first
 
 
 class Network(Protocol):
@@ -60,7 +64,7 @@ class Network(Protocol):
 
 
 def make_role(component: str, index: int, network: Network, manifest_path: str, run_dir: str,
-              initial_peers: list[str], resources: Resources, *, identity: bool = False,
+              initial_peers: list[str], resources: Resources, *, identity: bool = False, backbone: bool = False,
               completes_run: bool = False, extra_args: tuple[str, ...] = (), extra_ports: tuple[str, ...] = ()) -> Role:
     """One role of any kind: `hivekeeper run COMPONENT` with the arguments every role takes."""
     name = f"{component}-{index}"
@@ -76,60 +80,94 @@ def make_role(component: str, index: int, network: Network, manifest_path: str, 
     if initial_peers:
         args += ["--initial-peers", *initial_peers]
     return Role(name=name, component=component, index=index, args=tuple(args), ports=ports,
-                resources=resources, completes_run=completes_run)
+                resources=resources, completes_run=completes_run, backbone=backbone)
 
 
-def backbone_maddrs(network: Network, backbone_peer_ids: list[str]) -> list[str]:
-    """The multiaddrs of the backbone peers, which every other role bootstraps from."""
-    return [network.backbone_maddr(i, network.port(f"backbone-{i}", P2P), peer_id)
-            for i, peer_id in enumerate(backbone_peer_ids)]
+@dataclass(frozen=True)
+class Layout:
+    """How one resource's roles are laid out, whatever its kind: every role bootstraps from the
+    kind's backbone peers (`BACKBONE-i`, keys made in advance), and where volunteers are admitted
+    every role signs its DHT requests with a token and the relays and token service run too."""
 
+    manifest: Manifest
+    network: Network
+    manifest_path: str
+    run_dir: str
+    backbone_component: str
+    backbone_maddrs: tuple[str, ...]
 
-def swarm_roles(manifest: Manifest, network: Network, backbone_peer_ids: list[str], manifest_path: str,
-                run_dir: str, balancer_peer_id: str | None = None) -> list[Role]:
-    """Every process of a Swarm. The balancer's peer ID (its key is made before it starts, like
-    the backbone's) tells the averaging peers and the monitor whose signed plan to follow."""
-    spec: SwarmSpec = manifest.spec
-    assert len(backbone_peer_ids) == spec.backbone.replicas, "one identity per backbone peer"
-    assert (balancer_peer_id is not None) == spec.balancer.enabled, "a balancer identity iff the balancer runs"
-    initial_peers = backbone_maddrs(network, backbone_peer_ids)
+    @classmethod
+    def of(cls, manifest: Manifest, network: Network, peer_ids: dict[str, str], manifest_path: str, run_dir: str,
+           backbone_component: str) -> "Layout":
+        replicas = manifest.spec.backbone.replicas
+        maddrs = tuple(network.backbone_maddr(i, network.port(f"{backbone_component}-{i}", P2P),
+                                              peer_ids[f"{backbone_component}-{i}"], backbone_component)
+                       for i in range(replicas))
+        return cls(manifest, network, manifest_path, run_dir, backbone_component, maddrs)
 
-    def role(component: str, index: int, resources: Resources, *, identity: bool = False,
+    def role(self, component: str, index: int, resources: Resources, *, identity: bool = False,
              completes_run: bool = False, extra_args: tuple[str, ...] = ()) -> Role:
-        follows_plan = balancer_peer_id and component in PLAN_FOLLOWERS
-        peers = [maddr for i, maddr in enumerate(initial_peers) if not (component == "backbone" and i == index)]
-        if follows_plan:
-            extra_args += ("--plan-signer", balancer_peer_id)
-        if spec.volunteers.enabled:  # every peer signs its DHT requests with a token
-            extra_args += ("--gateway", network.gateway_address(),
-                           "--invite", network.access_path(f"{component}-{index}.invite"))
-        return make_role(component, index, network, manifest_path, run_dir, peers, resources, identity=identity,
-                         completes_run=completes_run, extra_args=extra_args)
+        name = f"{component}-{index}"
+        peers = [m for i, m in enumerate(self.backbone_maddrs) if f"{self.backbone_component}-{i}" != name]
+        return make_role(component, index, self.network, self.manifest_path, self.run_dir, peers, resources,
+                         identity=identity, backbone=component == self.backbone_component,
+                         completes_run=completes_run,
+                         extra_args=extra_args + access_args(self.manifest.spec.volunteers, self.network, name))
 
-    backbone_resources = Resources(cpu="250m", memory="512Mi")
-    roles = [role("backbone", i, backbone_resources, identity=True) for i in range(spec.backbone.replicas)]
-    roles += [role("trainer", i, spec.trainers.resources) for i in range(spec.trainers.replicas)]
-    roles += [role("auxiliary", i, spec.auxiliary.resources) for i in range(spec.auxiliary.replicas)]
-    if spec.monitor.enabled:
-        roles.append(role("monitor", 0, Resources(cpu="500m", memory="1Gi"), completes_run=True))
-    if spec.balancer.enabled:
-        roles.append(role("balancer", 0, Resources(cpu="500m", memory="1Gi"), identity=True))
-    if spec.volunteers.enabled:
-        for i in range(spec.volunteers.relays):
-            public = network.relay_public_address(i)
-            roles.append(role("relay", i, backbone_resources, identity=True,
-                              extra_args=("--public-address", public) if public else ()))
-        roles.insert(0, auth_role(spec, network, manifest_path, run_dir))
+    def backbones(self) -> list[Role]:
+        return [self.role(self.backbone_component, i, BACKBONE_RESOURCES, identity=True)
+                for i in range(len(self.backbone_maddrs))]
+
+    def with_access(self, roles: list[Role]) -> list[Role]:
+        """`roles` with the token service first (others fetch tokens from it as they start)
+        and the relays last, where volunteers are admitted."""
+        access = access_roles(self.manifest, self.network, list(self.backbone_maddrs), self.manifest_path,
+                              self.run_dir)
+        return access[:1] + roles + access[1:]
+
+
+def kind_identities(manifest: Manifest, backbone_component: str) -> list[str]:
+    """Roles whose keys are made before anything starts: the backbone peers and the relays."""
+    return ([f"{backbone_component}-{i}" for i in range(manifest.spec.backbone.replicas)]
+            + access_identities(manifest.spec.volunteers))
+
+
+def access_identities(volunteers: VolunteersSpec) -> list[str]:
+    """The relays' names: their keys are made before they start, like a backbone's (volunteers
+    bootstrap from their peer IDs)."""
+    return [f"relay-{i}" for i in range(volunteers.relays if volunteers.enabled else 0)]
+
+
+def access_args(volunteers: VolunteersSpec, network: Network, role_name: str) -> tuple[str, ...]:
+    """Where volunteers are admitted, every peer signs its DHT requests with a token."""
+    if not volunteers.enabled:
+        return ()
+    return ("--gateway", network.gateway_address(), "--invite", network.access_path(f"{role_name}.invite"))
+
+
+def access_roles(manifest: Manifest, network: Network, initial_peers: list[str], manifest_path: str,
+                 run_dir: str) -> list[Role]:
+    """The roles that let volunteers in, for any kind: the token service, and the relays (DHT
+    entry points with a public address, circuit relays for peers behind NAT)."""
+    volunteers: VolunteersSpec = manifest.spec.volunteers
+    if not volunteers.enabled:
+        return []
+    roles = [auth_role(volunteers, network, manifest_path, run_dir)]
+    for i in range(volunteers.relays):
+        public = network.relay_public_address(i)
+        extra = access_args(volunteers, network, f"relay-{i}") + (("--public-address", public) if public else ())
+        roles.append(make_role("relay", i, network, manifest_path, run_dir, initial_peers, ACCESS_RESOURCES,
+                               identity=True, extra_args=extra))
     return roles
 
 
-def auth_role(spec: SwarmSpec, network: Network, manifest_path: str, run_dir: str) -> Role:
+def auth_role(volunteers: VolunteersSpec, network: Network, manifest_path: str, run_dir: str) -> Role:
     """The token service: it signs access tokens and joins no DHT (it needs no token itself)."""
     args = ("--swarm-key", network.access_path("swarm-auth.pem"), "--swarm-info", network.access_path("swarm-info.json"))
-    if spec.volunteers.allowlist_secret:
+    if volunteers.allowlist_secret:
         args += ("--allowlist-file", network.access_path("allowlist"))
-    role = make_role("auth", 0, network, manifest_path, run_dir, [], Resources(cpu="250m", memory="512Mi"),
-                     extra_args=args, extra_ports=(GRPC,))
+    role = make_role("auth", 0, network, manifest_path, run_dir, [], ACCESS_RESOURCES, extra_args=args,
+                     extra_ports=(GRPC,))
     return replace(role, args=role.args + ("--grpc-port", str(role.ports[GRPC])))
 
 

@@ -65,7 +65,7 @@ pods themselves get no API access at all (automountServiceAccountToken: false).
 - apiGroups: [""]
   resources: ["configmaps", "secrets"]
   verbs: ["get", "create", "patch", "delete"]
-# list: a BlockServer or ExpertPool finds the children of a component it no longer runs.
+# list: the owner scan finds the children of a component a resource no longer runs.
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "list", "create", "patch", "delete"]

@@ -16,9 +16,11 @@ import struct
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
-from hivemind.proto.auth_pb2 import AccessToken
-from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+if TYPE_CHECKING:  # invites need no hivemind: the operator mints them without importing it
+    from hivemind.proto.auth_pb2 import AccessToken
+    from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 INVITE_PREFIX = "hk1"
 _INVITE_DOMAIN = b"hivekeeper-invite-v1\x00"
@@ -116,6 +118,8 @@ def _token_bytes(token: AccessToken) -> bytes:
 
 def issue_access_token(swarm_key: RSAPrivateKey, identity: str, peer_public_key_bytes: bytes,
                        ttl_seconds: float, now: float | None = None) -> AccessToken:
+    from hivemind.proto.auth_pb2 import AccessToken
+
     now = time.time() if now is None else now
     token = AccessToken(username=identity, public_key=peer_public_key_bytes,
                         expiration_time=_iso(now + ttl_seconds))

@@ -4,16 +4,14 @@ bootstrap from. It serves no blocks; it reports which blocks the online servers 
 from __future__ import annotations
 
 import argparse
-import logging
 from typing import Any
 
 from hivekeeper.blocks import protocol
 from hivekeeper.blocks.checkpoint import num_blocks
+from hivekeeper.blocks.kind import BACKBONE
 from hivekeeper.blocks.role import load_block_context
 from hivekeeper.blocks.selection import coverage, servers_per_block
-from hivekeeper.swarm.common import setup_logging
-
-log = logging.getLogger("hivekeeper.blocks.backbone")
+from hivekeeper.runtime.backbone import run_backbone
 
 
 def coverage_figures(blocks: int, held: int, worst: float) -> dict[str, Any]:
@@ -23,24 +21,17 @@ def coverage_figures(blocks: int, held: int, worst: float) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("block-backbone", args.index)
-    ctx = load_block_context("block-backbone", args)
-    ctx.start_endpoint()
-    dht = ctx.make_dht()
-    blocks = num_blocks(ctx.manifest.spec.model)
-    log.info("backbone up", extra={"fields": {"peer_id": str(dht.peer_id),
-                                              "maddrs": [str(a) for a in dht.get_visible_maddrs()]}})
-    ctx.endpoint.ready.set()
-    try:
-        while not ctx.stop.wait(2.0):
-            servers = protocol.read_servers(dht, ctx.run_id)
-            held, worst = coverage(servers, blocks)
-            for block, count in enumerate(servers_per_block(servers, blocks)):
-                ctx.metrics.block_servers.labels(str(block)).set(count)
-            ctx.metrics.served_blocks.set(held)
-            ctx.metrics.min_block_throughput.set(worst)
-            ctx.status.update(coverage_figures(blocks, held, worst),
-                              spans={s.name: f"{s.start}-{s.end - 1}" for s in servers if s.state == protocol.ONLINE})
-    finally:
-        dht.shutdown()
-    return 0
+    ctx = load_block_context(BACKBONE, args)
+    blocks = num_blocks(ctx.spec.model)
+
+    def tick(dht) -> None:
+        servers = protocol.read_servers(dht, ctx.run_id)
+        held, worst = coverage(servers, blocks)
+        for block, count in enumerate(servers_per_block(servers, blocks)):
+            ctx.metrics.block_servers.labels(str(block)).set(count)
+        ctx.metrics.served_blocks.set(held)
+        ctx.metrics.min_block_throughput.set(worst)
+        ctx.status.update(coverage_figures(blocks, held, worst),
+                          spans={s.name: f"{s.start}-{s.end - 1}" for s in servers if s.state == protocol.ONLINE})
+
+    return run_backbone(ctx, tick)

@@ -17,7 +17,6 @@ from hivekeeper.blocks.protocol import ServerInfo
 from hivekeeper.blocks.role import load_block_context
 from hivekeeper.blocks.selection import block_loads, coverage
 from hivekeeper.planning.blocks import Server, plan_blocks
-from hivekeeper.swarm.common import setup_logging
 
 log = logging.getLogger("hivekeeper.blocks.balancer")
 
@@ -36,7 +35,6 @@ def proposal(servers: list[ServerInfo], blocks: int, balance_quality: float) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("block-balancer", args.index)
     ctx = load_block_context("block-balancer", args)
     spec = ctx.manifest.spec
     blocks = num_blocks(spec.model)

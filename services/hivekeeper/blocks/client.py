@@ -9,9 +9,9 @@ attention cache, and carries on: the generated tokens are the same."""
 
 from __future__ import annotations
 
-import ast
 import logging
 import random
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +30,9 @@ from hivekeeper.spec.blockserver import ModelSpec
 
 log = logging.getLogger("hivekeeper.blocks.client")
 REFRESH_SECONDS = 2.0  # how stale the client's view of the servers may be
-BAN_SECONDS = 30.0  # a failed server is avoided this long
+# A failed server is avoided BAN_SECONDS (longer than its record lives: a crashed server's record
+# is gone before the ban ends), times BAN_BACKOFF for each further failure before it answers well.
+BAN_SECONDS, BAN_BACKOFF = 30.0, 2.0
 MAX_FAILURES = 8  # per call: servers tried before giving up
 
 
@@ -39,7 +41,12 @@ class RemoteBlocksError(RuntimeError):
 
 
 class ServerError(Exception):
-    """One server failed one call: down, refused (its one-line reason), or answered garbage."""
+    """One server failed one call: down, refused (its one-line reason; `code` is the server's
+    protocol.ErrorCode), or answered garbage."""
+
+    def __init__(self, message: str, code: str = ""):
+        super().__init__(message)
+        self.code = code
 
 
 class RemoteSequence:
@@ -48,6 +55,7 @@ class RemoteSequence:
 
     def __init__(self, dht, run_id: str, num_blocks: int, hidden_size: int, compression: str = "none",
                  request_timeout: float = 30.0, route_wait: float = 60.0, seed: int = 0):
+        from hivemind.dht.node import Blacklist
         from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
         from hivemind.p2p.p2p_daemon_bindings.control import MAX_UNARY_PAYLOAD_SIZE
 
@@ -60,7 +68,9 @@ class RemoteSequence:
         self._p2p = RemoteExpertWorker.run_coroutine(dht.replicate_p2p())
         self._servers: list[ServerInfo] = []
         self._refreshed = 0.0
-        self.banned: dict[str, float] = {}
+        # servers that failed, avoided with exponential backoff; a server that answers well is forgiven
+        self.banned = Blacklist(base_time=BAN_SECONDS, backoff_rate=BAN_BACKOFF)
+        self._ban_lock = threading.Lock()  # the parts of a batch run on threads of their own
         self.rtt: dict[str, float] = {}
         self.rng = random.Random(seed)
         self.failovers = 0
@@ -80,13 +90,16 @@ class RemoteSequence:
             self._refreshed = time.monotonic()
         return self._servers
 
-    def _banned(self) -> set[str]:
-        now = time.monotonic()
-        return {peer for peer, until in self.banned.items() if until > now}
-
-    def ban(self, peer_id: str, reason: str) -> None:
+    def ban(self, peer_id: str, reason: str, failover: bool = False) -> None:
+        """Avoid a server for a while; `failover`: it failed a call, which goes on elsewhere."""
         log.warning("avoiding server", extra={"fields": {"peer_id": peer_id, "reason": reason}})
-        self.banned[peer_id] = time.monotonic() + BAN_SECONDS
+        with self._ban_lock:
+            self.banned.register_failure(peer_id)
+        self.failovers += failover
+
+    def _banned(self, servers: Sequence[ServerInfo]) -> set[str]:
+        with self._ban_lock:
+            return {s.peer_id for s in servers if s.peer_id in self.banned}
 
     def route(self, start: int, end: int, for_inference: bool) -> list[Hop]:
         """A chain for [start, end); waits up to `route_wait` for servers to cover it."""
@@ -97,8 +110,8 @@ class RemoteSequence:
             try:
                 if for_inference:
                     self._ping_unknown(servers)
-                    return fastest_chain(servers, start, end, self.rtt, self._banned())
-                return throughput_chain(servers, start, end, self.rng, self._banned())
+                    return fastest_chain(servers, start, end, self.rtt, self._banned(servers))
+                return throughput_chain(servers, start, end, self.rng, self._banned(servers))
             except NoRouteError as e:
                 if time.monotonic() >= deadline:
                     raise RemoteBlocksError(f"blocks {start}:{end}: {e} (waited {self.route_wait:.0f}s)") from None
@@ -107,8 +120,9 @@ class RemoteSequence:
 
     def _ping_unknown(self, servers: Sequence[ServerInfo]) -> None:
         """Round trips to servers not measured yet (Petals pings before routing)."""
+        banned = self._banned(servers)
         for s in servers:
-            if s.peer_id not in self.rtt and s.peer_id not in self._banned() and s.state == protocol.ONLINE:
+            if s.peer_id not in self.rtt and s.peer_id not in banned and s.state == protocol.ONLINE:
                 began = time.perf_counter()
                 try:
                     self.call("rpc_info", s.peer_id, protocol.make_request(0, 0, [], {}), timeout=5.0)
@@ -126,9 +140,16 @@ class RemoteSequence:
 
         stub = BlockServicer.get_stub(self._p2p, PeerID.from_base58(peer_id))
         try:
-            return self._worker.run_coroutine(getattr(stub, method)(request, timeout=timeout or self.request_timeout))
-        except Exception as e:  # down, timed out, refused: the caller decides what to do next
+            response = self._worker.run_coroutine(getattr(stub, method)(request, timeout=timeout or self.request_timeout))
+        except Exception as e:  # down, timed out, crashed: the caller decides what to do next
             raise ServerError(_explain(e)) from None
+        try:
+            error = protocol.read_error(response)
+        except Exception as e:  # msgpack's errors, or a malformed reason
+            raise ServerError(f"undecodable reply: {e}") from None
+        if error is not None:
+            raise ServerError(error[1], code=error[0])
+        return response
 
     def call_hop(self, kind: str, hop: Hop, tensors: Sequence[torch.Tensor], metadata: dict,
                  expect: tuple[int, ...]) -> torch.Tensor:
@@ -152,6 +173,8 @@ class RemoteSequence:
         if len(outputs) != 1 or tuple(outputs[0].shape) != expect or not torch.isfinite(outputs[0]).all():
             shapes = [tuple(t.shape) for t in outputs]
             raise ServerError(f"garbage reply: expected one finite tensor of shape {expect}, got {shapes}")
+        with self._ban_lock:  # it answered well: a later failure starts from the shortest ban again
+            self.banned.register_success(hop.peer_id)
         return outputs[0]
 
     def close_session(self, hop: Hop, session_id: str) -> None:
@@ -175,8 +198,7 @@ class RemoteSequence:
                 return run(chain)
             except _HopFailed as failed:
                 last = f"{failed.hop.peer_id[-8:]} (blocks {failed.hop.start}:{failed.hop.end}): {failed.reason}"
-                self.ban(failed.hop.peer_id, failed.reason)
-                self.failovers += 1
+                self.ban(failed.hop.peer_id, failed.reason, failover=True)
         raise RemoteBlocksError(f"blocks {start}:{end}: {MAX_FAILURES} servers failed; last: {last}")
 
     def forward_span(self, hidden: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, list[tuple[Hop, torch.Tensor]]]:
@@ -201,8 +223,7 @@ class RemoteSequence:
             try:
                 grad = _hop(self, "backward", hop, [x, grad], {}, tuple(x.shape))
             except _HopFailed as failed:
-                self.ban(hop.peer_id, failed.reason)
-                self.failovers += 1
+                self.ban(hop.peer_id, failed.reason, failover=True)
                 grad = self._backward_elsewhere(x, grad, hop.start, hop.end)
         return grad
 
@@ -240,18 +261,10 @@ def _hop(sequence: RemoteSequence, kind: str, hop: Hop, tensors: Sequence[torch.
 
 
 def _explain(error: Exception) -> str:
-    """The server's one-line reason when it refused, else what went wrong on the way."""
-    text = str(error) or type(error).__name__
-    marker = "BlockRequestError("
-    if marker in text:  # hivemind sends repr(exception): unquote the message
-        inner = text.split(marker, 1)[1]
-        try:
-            return str(ast.literal_eval(inner[: inner.rindex(")")]))
-        except (ValueError, SyntaxError):
-            return inner
+    """What went wrong on the way (refusals come in the reply: protocol.read_error)."""
     if isinstance(error, TimeoutError) or type(error).__name__ == "TimeoutError":
         return "timed out"
-    return text.splitlines()[0][:300]
+    return (str(error) or type(error).__name__).splitlines()[0][:300]
 
 
 class _RemoteBlocks(torch.autograd.Function):
@@ -285,7 +298,7 @@ def _to_wire(hidden: torch.Tensor) -> torch.Tensor:
 @dataclass
 class _HopSession:
     hop: Hop
-    session_id: str
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     inputs: list[torch.Tensor] = field(default_factory=list)  # everything sent, for replay
 
 
@@ -296,14 +309,11 @@ class InferenceSession:
         self.sequence = sequence
         self.max_length = max_length
         self.position = 0
-        self.hops: list[_HopSession] = [self._open(hop) for hop in sequence.route(0, sequence.num_blocks, True)]
+        self.hops: list[_HopSession] = [_HopSession(hop) for hop in sequence.route(0, sequence.num_blocks, True)]
 
     @property
     def chain(self) -> list[Hop]:
         return [h.hop for h in self.hops]
-
-    def _open(self, hop: Hop) -> _HopSession:
-        return _HopSession(hop, uuid.uuid4().hex)
 
     def step(self, hidden: torch.Tensor) -> torch.Tensor:
         """Run new positions (batch, length, hidden) through every block; returns their outputs."""
@@ -323,8 +333,7 @@ class InferenceSession:
                 last = f"blocks {hs.hop.start}:{hs.hop.end}: {failed.reason}"
                 if failures >= MAX_FAILURES:
                     raise RemoteBlocksError(f"inference: {failures} servers failed; last: {last}") from None
-                self.sequence.ban(hs.hop.peer_id, failed.reason)
-                self.sequence.failovers += 1
+                self.sequence.ban(hs.hop.peer_id, failed.reason, failover=True)
                 try:
                     self._replace(k)
                 except RemoteBlocksError as e:
@@ -343,7 +352,7 @@ class InferenceSession:
         history = torch.cat(old.inputs, dim=1) if old.inputs else None
         for _ in range(MAX_FAILURES):
             chain = self.sequence.route(old.hop.start, old.hop.end, True)
-            fresh = [self._open(hop) for hop in chain]
+            fresh = [_HopSession(hop) for hop in chain]
             x = history
             try:
                 for hs in fresh if x is not None else ():
@@ -352,8 +361,7 @@ class InferenceSession:
                     hs.inputs.append(x)
                     x = out
             except _HopFailed as failed:
-                self.sequence.ban(failed.hop.peer_id, failed.reason)
-                self.sequence.failovers += 1
+                self.sequence.ban(failed.hop.peer_id, failed.reason, failover=True)
                 continue
             self.hops[k : k + 1] = fresh
             log.info("failover", extra={"fields": {"blocks": [old.hop.start, old.hop.end],
@@ -384,12 +392,8 @@ class RemoteCausalLM(nn.Module):
         self.device = torch.device(device) if device is not None else serving_device()
         self.dtype = dtype or serving_dtype(self.device)
         local = load_client_model(model, self.device, self.dtype)
-        self.arch = architecture_of(local.config)
-        self.config = local.config
-        for parameter in local.parameters():
-            parameter.requires_grad_(False)
-        self.local = local
-        self.sequence = sequence
+        self.arch, self.config = architecture_of(local.config), local.config
+        self.local, self.sequence = local.requires_grad_(False), sequence
 
     def embed(self, input_ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         input_ids = input_ids.to(self.device)

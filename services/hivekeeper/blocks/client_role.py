@@ -17,7 +17,6 @@ from hivekeeper.blocks.checkpoint import load_config
 from hivekeeper.blocks.client import InferenceSession, RemoteCausalLM, RemoteSequence, local_generate
 from hivekeeper.blocks.role import load_block_context
 from hivekeeper.spec.blockserver import BlockServerSpec
-from hivekeeper.swarm.common import setup_logging
 
 log = logging.getLogger("hivekeeper.blocks.client")
 
@@ -45,7 +44,6 @@ class Text:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("block-client", args.index)
     ctx = load_block_context("block-client", args)
     torch.set_num_threads(1)  # the client runs only embeddings and the head
     spec: BlockServerSpec = ctx.manifest.spec

@@ -5,39 +5,49 @@ scripted client whose successful exit ends a local run."""
 from __future__ import annotations
 
 from hivekeeper.kinds import KindRuntime
+from hivekeeper.runtime.arguments import RoleEntry, peer_access
 from hivekeeper.spec import Manifest
 from hivekeeper.spec.blockserver import BlockServerSpec
-from hivekeeper.spec.swarm import Resources
-from hivekeeper.topology import Network, Role, make_role
+from hivekeeper.topology import ACCESS_STATUS_KEYS, BACKBONE_RESOURCES, Layout, Network, Role, kind_identities
 
-BACKBONE = "backbone-blocks"  # a name under "backbone": the network gives it a fixed, dialable port
+BACKBONE = "backbone-blocks"
 SERVER = "block-server"
 BALANCER = "block-balancer"
 CLIENT = "block-client"
 
 
 def identity_roles(manifest: Manifest) -> list[str]:
-    return [f"{BACKBONE}-0"]
+    return kind_identities(manifest, BACKBONE)
 
 
 def block_roles(manifest: Manifest, network: Network, peer_ids: dict[str, str], manifest_path: str,
                 run_dir: str) -> list[Role]:
     spec: BlockServerSpec = manifest.spec
-    maddr = network.backbone_maddr(0, network.port(f"{BACKBONE}-0", "p2p"), peer_ids[f"{BACKBONE}-0"], BACKBONE)
-
-    def role(component: str, index: int, resources: Resources, **kwargs) -> Role:
-        return make_role(component, index, network, manifest_path, run_dir, [maddr], resources, **kwargs)
-
-    roles = [make_role(BACKBONE, 0, network, manifest_path, run_dir, [], Resources(cpu="250m", memory="512Mi"),
-                       identity=True)]
-    roles += [role(SERVER, i, spec.servers.resources) for i in range(spec.servers.replicas)]
+    layout = Layout.of(manifest, network, peer_ids, manifest_path, run_dir, BACKBONE)
+    roles = layout.backbones()
+    roles += [layout.role(SERVER, i, spec.servers.resources) for i in range(spec.servers.replicas)]
     if spec.balancer.enabled:
-        roles.append(role(BALANCER, 0, Resources(cpu="250m", memory="512Mi")))
+        roles.append(layout.role(BALANCER, 0, BACKBONE_RESOURCES))
     if spec.client.enabled:
-        roles.append(role(CLIENT, 0, spec.client.resources, completes_run=True))
-    return roles
+        roles.append(layout.role(CLIENT, 0, spec.client.resources, completes_run=True))
+    return layout.with_access(roles)
 
 
-RUNTIME = KindRuntime(roles=block_roles, identity_roles=identity_roles,
-                      target_steps=lambda manifest: manifest.spec.client.new_tokens,
-                      status_keys={BACKBONE: "backbone", SERVER: "servers", BALANCER: "balancer", CLIENT: "client"})
+def _server_arguments(parser) -> None:
+    parser.add_argument("--blocks", default=None, metavar="START:END",
+                        help="hold exactly these blocks (no block selection, no moving)")
+
+
+RUNTIME = KindRuntime(
+    roles=block_roles, identity_roles=identity_roles,
+    target_steps=lambda manifest: manifest.spec.client.new_tokens,
+    volunteer_role=SERVER,  # a block server behind a relay: clients reach it through the circuit
+    status_keys={BACKBONE: "backbone", SERVER: "servers", BALANCER: "balancer", CLIENT: "client",
+                 **ACCESS_STATUS_KEYS},
+    role_modules={
+        BACKBONE: RoleEntry("hivekeeper.blocks.backbone"),
+        SERVER: RoleEntry("hivekeeper.blocks.server", (peer_access, _server_arguments)),
+        BALANCER: RoleEntry("hivekeeper.blocks.balancer"),
+        CLIENT: RoleEntry("hivekeeper.blocks.client_role"),
+    },
+)

@@ -4,25 +4,55 @@ are hidden states, possibly compressed, and `metadata` is a msgpack dict)."""
 
 from __future__ import annotations
 
+import logging
+import math
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Optional, Sequence
+from dataclasses import MISSING, asdict, dataclass, fields
+from enum import Enum
+from typing import Any, Optional, Sequence, get_type_hints
 
 import torch
 
+log = logging.getLogger("hivekeeper.blocks.protocol")
 SERVERS_KEY = "_blockservers"  # subkey per server peer: its ServerInfo
 PLAN_KEY = "_blockplan"  # the balancer's span assignment
 RECORD_EXPIRATION = 20.0  # seconds a server's record lives without a refresh
-PROTOCOL_VERSION = "hivekeeper-blocks/1"
+# "NAME/MAJOR[.MINOR]": a minor version only adds fields (older peers ignore them); a new major
+# changes what existing fields mean, and peers of another major ignore each other's records.
+PROTOCOL_NAME, PROTOCOL_MAJOR = "hivekeeper-blocks", 1
+PROTOCOL_VERSION = f"{PROTOCOL_NAME}/{PROTOCOL_MAJOR}"
 
-JOINING, ONLINE, OFFLINE = "joining", "online", "offline"
+
+class ServerState(str, Enum):
+    """On the wire as its value: the strings every version of the protocol sends."""
+
+    JOINING = "joining"
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+JOINING, ONLINE, OFFLINE = ServerState
+
+
+class ErrorCode(str, Enum):
+    """Why a server did not answer a request (the `error` of a reply's metadata)."""
+
+    REFUSED = "refused"  # the request cannot be served here: malformed, wrong blocks, no cache left
+    FAILED = "error"  # the server failed computing it
+
+
+class RecordError(ValueError):
+    """A DHT record that does not parse; the message names the field."""
 
 
 @dataclass(frozen=True)
 class ServerInfo:
     peer_id: str
     name: str
-    state: str  # joining | online | offline
+    state: ServerState
     start: int
     end: int  # exclusive
     throughput: float  # tokens/s per block: min(compute, network), what the balancer weighs
@@ -34,18 +64,58 @@ class ServerInfo:
     time: float = 0.0
 
     def to_record(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "state": ServerState(self.state).value}
 
     @classmethod
     def from_record(cls, record: Any) -> Optional["ServerInfo"]:
-        """None for anything that is not a well-formed record (a stale format, garbage)."""
+        """The record's ServerInfo, ignoring fields this version does not know; None (logged once
+        at debug) for a record of another major version, or missing a field, or of wrong types."""
         try:
-            info = cls(**record)
-        except TypeError:
+            if not isinstance(record, dict):
+                raise RecordError(f"expected a mapping, got {type(record).__name__}")
+            info = cls(**{f.name: _field(record, f.name, _TYPES[f.name]) for f in fields(cls)
+                          if f.name in record or f.default is MISSING})
+            if not compatible(info.version):
+                raise RecordError(f"version {info.version!r} is not {PROTOCOL_NAME}/{PROTOCOL_MAJOR}[.minor]")
+            if not 0 <= info.start < info.end:
+                raise RecordError(f"span {info.start}:{info.end} is empty or negative")
+        except RecordError as e:
+            _reject(record, str(e))
             return None
-        ok = (isinstance(info.start, int) and isinstance(info.end, int) and 0 <= info.start < info.end
-              and info.state in (JOINING, ONLINE, OFFLINE) and info.version == PROTOCOL_VERSION)
-        return info if ok else None
+        return info
+
+
+def _field(record: dict, name: str, kind: type) -> Any:
+    """record[name] as `kind` (float also takes an int: a writer may send 7 for 7.0)."""
+    if name not in record:
+        raise RecordError(f"missing field {name!r}")
+    value = record[name]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is float and number and math.isfinite(value):
+        return float(value)
+    if (kind is int and number and isinstance(value, int)) or (kind is str and isinstance(value, str)):
+        return value
+    if issubclass(kind, Enum) and isinstance(value, str) and value in {m.value for m in kind}:
+        return kind(value)
+    raise RecordError(f"field {name!r}: {value!r:.60} is not a valid {kind.__name__}")
+
+
+_TYPES = get_type_hints(ServerInfo)
+_rejected: set[tuple[str, str]] = set()
+
+
+def _reject(record: Any, reason: str) -> None:
+    """Log a bad record at debug, once per peer and reason (records are read every few seconds)."""
+    peer = str(record.get("peer_id"))[:60] if isinstance(record, dict) else "?"
+    if (peer, reason) not in _rejected and len(_rejected) < 1000:
+        _rejected.add((peer, reason))
+        log.debug("ignoring a server record", extra={"fields": {"peer_id": peer, "reason": reason}})
+
+
+def compatible(version: str) -> bool:
+    """Same protocol and major version (any minor)."""
+    name, _, number = version.partition("/")
+    return name == PROTOCOL_NAME and number.split(".", 1)[0] == str(PROTOCOL_MAJOR)
 
 
 def announce(dht, run_id: str, info: ServerInfo) -> None:
@@ -60,12 +130,8 @@ def read_servers(dht, run_id: str) -> list[ServerInfo]:
     found = dht.get(run_id + SERVERS_KEY, latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
-    servers = []
-    for entry in found.value.values():
-        info = ServerInfo.from_record(getattr(entry, "value", None))
-        if info is not None:
-            servers.append(info)
-    return sorted(servers, key=lambda s: s.peer_id)
+    servers = (ServerInfo.from_record(getattr(entry, "value", None)) for entry in found.value.values())
+    return sorted((info for info in servers if info is not None), key=lambda s: s.peer_id)
 
 
 def publish_plan(dht, run_id: str, assignments: dict[str, tuple[int, int]], min_throughput: float,
@@ -79,9 +145,11 @@ def publish_plan(dht, run_id: str, assignments: dict[str, tuple[int, int]], min_
 
 def read_plan(dht, run_id: str) -> Optional[dict[str, Any]]:
     found = dht.get(run_id + PLAN_KEY, latest=True)
-    if found is None or not isinstance(found.value, dict) or not isinstance(found.value.get("assignments"), dict):
+    plan = found.value if found is not None else None
+    if not isinstance(plan, dict) or not isinstance(plan.get("assignments"), dict) \
+            or not isinstance(plan.get("time", 0), (int, float)):
         return None
-    return found.value
+    return plan
 
 
 # --- the wire ---------------------------------------------------------------------------
@@ -129,22 +197,40 @@ def decode_tensors(protos: Sequence, metadata: dict[str, Any]) -> list[torch.Ten
     return out
 
 
-def make_request(start: int, end: int, tensors: Sequence[torch.Tensor], metadata: dict[str, Any],
-                 compression: str = "none"):
+def _message(message_type: str, tensors: Sequence[torch.Tensor], metadata: dict[str, Any], compression: str,
+             **fields: Any):
     from hivemind.proto import runtime_pb2
     from hivemind.utils import MSGPackSerializer
 
     protos, codec = encode_tensors(tensors, compression)
-    return runtime_pb2.ExpertRequest(uid=f"{start}:{end}", tensors=protos,
-                                     metadata=MSGPackSerializer.dumps({**metadata, **codec}))
+    return getattr(runtime_pb2, message_type)(tensors=protos, metadata=MSGPackSerializer.dumps({**metadata, **codec}),
+                                              **fields)
+
+
+def make_request(start: int, end: int, tensors: Sequence[torch.Tensor], metadata: dict[str, Any],
+                 compression: str = "none"):
+    return _message("ExpertRequest", tensors, metadata, compression, uid=f"{start}:{end}")
 
 
 def make_response(tensors: Sequence[torch.Tensor], metadata: dict[str, Any], compression: str = "none"):
-    from hivemind.proto import runtime_pb2
-    from hivemind.utils import MSGPackSerializer
+    return _message("ExpertResponse", tensors, metadata, compression)
 
-    protos, codec = encode_tensors(tensors, compression)
-    return runtime_pb2.ExpertResponse(tensors=protos, metadata=MSGPackSerializer.dumps({**metadata, **codec}))
+
+def make_error(code: ErrorCode, message: str):
+    """A refusal: no tensors, and metadata {"error": {"code": ..., "message": one line}}."""
+    return make_response([], {"error": {"code": code.value, "message": message}})
+
+
+def read_error(message) -> Optional[tuple[str, str]]:
+    """(code, one-line message) of a refusal; None for an answer. ValueError for a malformed
+    reason. Codes this version does not know are passed on as they are."""
+    error = read_metadata(message).get("error")
+    if error is None:
+        return None
+    if not isinstance(error, dict) or not isinstance(error.get("code"), str) \
+            or not isinstance(error.get("message"), str):
+        raise ValueError(f"malformed error reason {error!r:.100}: expected {{'code': str, 'message': str}}")
+    return error["code"][:40], " ".join(error["message"].split())[:300] or "(no reason given)"
 
 
 def read_tensors(message) -> list[torch.Tensor]:

@@ -21,12 +21,12 @@ from hivemind.proto import runtime_pb2
 from hivekeeper.blocks import protocol
 from hivekeeper.blocks.backend import BlockRequestError, SpanBackend
 from hivekeeper.blocks.checkpoint import load_span, num_blocks, serving_device, serving_dtype
-from hivekeeper.blocks.protocol import JOINING, OFFLINE, ONLINE, ServerInfo
+from hivekeeper.blocks.metrics import REQUEST_KINDS
+from hivekeeper.blocks.protocol import JOINING, OFFLINE, ONLINE, ErrorCode, ServerInfo
 from hivekeeper.blocks.quantize import quantize_weights
-from hivekeeper.blocks.role import load_block_context
+from hivekeeper.blocks.role import BlockContext, load_block_context
 from hivekeeper.blocks.selection import choose_start, planned_span, wants_to_move
 from hivekeeper.spec.blockserver import BlockServerSpec, span_length
-from hivekeeper.swarm.common import RoleContext, setup_logging
 
 log = logging.getLogger("hivekeeper.blocks.server")
 ANNOUNCE_SECONDS = 5.0
@@ -36,8 +36,10 @@ JOIN_ROUNDS = 4
 
 
 class BlockServicer(ServicerBase):
-    """The RPC surface. Every handler answers or raises one line; nothing a client sends can
-    take the server down. Compute runs on one thread, in arrival order."""
+    """The RPC surface. Every handler answers, or refuses with a reply whose metadata holds
+    {"error": {"code", "message"}} (protocol.make_error: one line, read without parsing an
+    exception's text); nothing a client sends can take the server down. Compute runs on one
+    thread, in arrival order."""
 
     def __init__(self, backend: Callable[[], Optional[SpanBackend]], compression: str, metrics):
         self._backend = backend
@@ -50,7 +52,11 @@ class BlockServicer(ServicerBase):
         that fine-tuning through this server leaves them as they were)."""
         backend = self._backend()
         info: dict[str, Any] = {"start": backend.start, "end": backend.end} if backend else {}
-        if backend is not None and protocol.read_metadata(request).get("digest"):
+        try:
+            digest = protocol.read_metadata(request).get("digest")
+        except ValueError as e:
+            return protocol.make_error(ErrorCode.REFUSED, f"info: malformed request: {e}")
+        if backend is not None and digest:
             info["digest"] = await asyncio.get_running_loop().run_in_executor(self.pool, weights_digest, backend)
         return protocol.make_response([], info)
 
@@ -76,7 +82,10 @@ class BlockServicer(ServicerBase):
         return await self._serve("inference", request, run)
 
     async def rpc_close(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        session = protocol.read_metadata(request).get("session")
+        try:
+            session = protocol.read_metadata(request).get("session")
+        except ValueError as e:
+            return protocol.make_error(ErrorCode.REFUSED, f"close: malformed request: {e}")
         backend = self._backend()
         closed = bool(backend and isinstance(session, str)
                       and await asyncio.get_running_loop().run_in_executor(self.pool, backend.close_session, session))
@@ -84,16 +93,15 @@ class BlockServicer(ServicerBase):
 
     async def _serve(self, kind: str, request, run) -> runtime_pb2.ExpertResponse:
         entered = time.perf_counter()
+        backend = self._backend()
+        if backend is None:
+            return self._refuse(kind, ErrorCode.REFUSED, f"{kind}: this server is joining or moving: no blocks loaded yet")
         try:
-            backend = self._backend()
-            if backend is None:
-                raise BlockRequestError("this server is joining or moving: no blocks loaded yet")
             start, end = protocol.parse_span(request.uid)
             tensors = protocol.read_tensors(request)
             meta = protocol.read_metadata(request)
         except (ValueError, TypeError) as e:  # garbage in: refuse in one line
-            self.metrics.requests.labels(kind, "refused").inc()
-            raise BlockRequestError(f"{kind}: malformed request: {e}") from None
+            return self._refuse(kind, ErrorCode.REFUSED, f"{kind}: malformed request: {e}")
 
         timing: dict[str, float] = {}
 
@@ -111,16 +119,18 @@ class BlockServicer(ServicerBase):
 
         try:
             out = await asyncio.get_running_loop().run_in_executor(self.pool, compute)
-        except BlockRequestError:
-            self.metrics.requests.labels(kind, "refused").inc()
-            raise
+        except BlockRequestError as e:
+            return self._refuse(kind, ErrorCode.REFUSED, str(e))
         except Exception as e:
-            self.metrics.requests.labels(kind, "error").inc()
             log.exception("request failed", extra={"fields": {"kind": kind}})
-            raise BlockRequestError(f"{kind}: server error: {type(e).__name__}: {e}") from None
+            return self._refuse(kind, ErrorCode.FAILED, f"{kind}: server error: {type(e).__name__}: {e}")
         self.metrics.requests.labels(kind, "ok").inc()
         timing["handler_ms"] = 1000 * (time.perf_counter() - entered)  # decoding, queueing, compute
         return protocol.make_response([out], timing, self.compression)
+
+    def _refuse(self, kind: str, code: ErrorCode, message: str) -> runtime_pb2.ExpertResponse:
+        self.metrics.requests.labels(kind, code.value).inc()
+        return protocol.make_error(code, message)
 
 
 def weights_digest(backend: SpanBackend) -> str:
@@ -164,7 +174,7 @@ def measure_throughput(backend: SpanBackend, compression: str, repeats: int = 5)
 
 
 class BlockServer:
-    def __init__(self, ctx: RoleContext):
+    def __init__(self, ctx: BlockContext):
         self.ctx = ctx
         self.spec: BlockServerSpec = ctx.manifest.spec
         self.num_blocks = num_blocks(self.spec.model)
@@ -298,8 +308,9 @@ class BlockServer:
         protocol.announce(self.dht, self.ctx.run_id, info)
         self.ctx.metrics.cache_tokens_left.set(left)
         self.ctx.metrics.sessions.set(len(backend.sessions) if backend else 0)
-        self.ctx.status.update(state=self.state, start=self.span[0], end=self.span[1], peerId=self.peer_id,
-                               cacheTokensLeft=left, sessions=len(backend.sessions) if backend else 0, **self.rates)
+        self.ctx.status.update(state=self.state.value, start=self.span[0], end=self.span[1], peerId=self.peer_id,
+                               cacheTokensLeft=left, sessions=len(backend.sessions) if backend else 0,
+                               served=served_requests(self.ctx.metrics.registry), **self.rates)
 
     # --- plumbing --------------------------------------------------------------------------
 
@@ -315,6 +326,12 @@ class BlockServer:
         await servicer.add_p2p_handlers(self.p2p)
 
 
+def served_requests(registry) -> int:
+    """Requests this server answered with a result, all kinds together."""
+    return int(sum(registry.get_sample_value("hivekeeper_block_requests_total", {"kind": kind, "outcome": "ok"}) or 0
+                   for kind in REQUEST_KINDS))
+
+
 def _parse_blocks(text: str, total: int) -> tuple[int, int]:
     try:
         start, end = protocol.parse_span(text)
@@ -326,7 +343,6 @@ def _parse_blocks(text: str, total: int) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("block-server", args.index)
     ctx = load_block_context("block-server", args)
     torch.set_num_threads(ctx.manifest.spec.servers.torch_threads)
     return BlockServer(ctx).run()

@@ -4,15 +4,15 @@ from. It also counts the live peers and the experts they announce."""
 from __future__ import annotations
 
 import argparse
-import logging
 from collections import Counter
 from typing import Any
 
 from hivekeeper.experts.common import load_pool_context
-from hivekeeper.swarm.common import read_peer_reports, setup_logging
+from hivekeeper.experts.kind import BACKBONE, SERVER, TRAINER
+from hivekeeper.runtime.backbone import run_backbone
+from hivekeeper.runtime.reports import read_peer_reports
 
-log = logging.getLogger("hivekeeper.experts.backbone")
-ROLES = ("backbone-experts", "expert-server", "expert-trainer")
+ROLES = (BACKBONE, SERVER, TRAINER)
 
 
 def pool_figures(reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -20,10 +20,10 @@ def pool_figures(reports: list[dict[str, Any]]) -> dict[str, Any]:
     status (its printer columns). Trainers share the experts but each counts its own batches: the
     step is the furthest trainer's (kept once the trainers are gone), the throughput the live
     trainers' sum."""
-    trainers = [r for r in reports if r["role"] == "expert-trainer"]
+    trainers = [r for r in reports if r["role"] == TRAINER]
     figures: dict[str, Any] = {
         "peersAlive": dict(Counter(r["role"] for r in reports)),
-        "expertsAlive": sum(len(r.get("experts") or ()) for r in reports if r["role"] == "expert-server"),
+        "expertsAlive": sum(len(r.get("experts") or ()) for r in reports if r["role"] == SERVER),
         "samplesPerSecond": round(sum(r.get("samplesPerSecond") or 0.0 for r in trainers), 2),
     }
     steps = [r["step"] for r in trainers if isinstance(r.get("step"), int)]
@@ -33,21 +33,14 @@ def pool_figures(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("backbone-experts", args.index)
-    ctx = load_pool_context("backbone-experts", args)
-    ctx.start_endpoint()
-    dht = ctx.make_dht()
-    log.info("backbone up", extra={"fields": {"peer_id": str(dht.peer_id),
-                                              "maddrs": [str(a) for a in dht.get_visible_maddrs()]}})
-    ctx.endpoint.ready.set()
-    try:
-        while not ctx.stop.wait(2.0):
-            ctx.publish_report(dht, {})
-            figures = pool_figures(read_peer_reports(dht, ctx.run_id))
-            for role in ROLES:
-                ctx.metrics.peers_alive.labels(role).set(figures["peersAlive"].get(role, 0))
-            ctx.metrics.experts_alive.set(figures["expertsAlive"])
-            ctx.status.update(figures)
-    finally:
-        dht.shutdown()
-    return 0
+    ctx = load_pool_context(BACKBONE, args)
+
+    def tick(dht) -> None:
+        ctx.publish_report(dht, {})
+        figures = pool_figures(read_peer_reports(dht, ctx.run_id))
+        for role in ROLES:
+            ctx.metrics.peers_alive.labels(role).set(figures["peersAlive"].get(role, 0))
+        ctx.metrics.experts_alive.set(figures["expertsAlive"])
+        ctx.status.update(figures)
+
+    return run_backbone(ctx, tick)

@@ -14,7 +14,7 @@ from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from hivekeeper.experts.layers import build_expert, example_shape
 from hivekeeper.spec.expertpool import ExpertPoolSpec
-from hivekeeper.swarm.optimizer import scheduler_factory, torch_optimizer_factory
+from hivekeeper.training.optimizers import scheduler_factory, torch_optimizer_factory
 
 
 class ExpertBackend(ModuleBackend):

@@ -13,13 +13,15 @@ union of the prefixes the batch needs: same result, a handful of requests a batc
 from __future__ import annotations
 
 import heapq
-from typing import Awaitable, Callable, Sequence
+import logging
+from typing import Any, Awaitable, Callable, Sequence
 
-from hivemind.moe.client.beam_search import MoEBeamSearcher
-from hivemind.moe.expert_uid import ExpertInfo
+from hivemind.moe.expert_uid import ExpertInfo, is_valid_uid
+from hivemind.p2p import PeerID
 
 from hivekeeper.experts.grid import UID_DELIMITER
 
+log = logging.getLogger("hivekeeper.experts.beam")
 # prefixes -> {prefix: {next coordinate: an expert under prefix+coordinate}} (empty if none is announced)
 Fetch = Callable[[list[str]], Awaitable[dict[str, dict[int, ExpertInfo]]]]
 
@@ -41,7 +43,6 @@ async def batch_beam_search(uid_prefix: str, grid_scores: Sequence[Sequence[Sequ
         live = ((scores[0][c], f"{root}{c}{UID_DELIMITER}") for c in range(first))
         beams.append(heapq.nlargest(k, ((s, p) for s, p in live if level.get(p))))
     for dim in range(1, dims):
-        last = dim == dims - 1
         candidates: list[list[tuple[float, str, ExpertInfo]]] = []
         for scores, beam in zip(grid_scores, beams):
             extended = []
@@ -50,7 +51,7 @@ async def batch_beam_search(uid_prefix: str, grid_scores: Sequence[Sequence[Sequ
                     if 0 <= coord < len(scores[dim]):
                         extended.append((score + scores[dim][coord], f"{prefix}{coord}", expert))
             candidates.append(heapq.nlargest(k, extended, key=lambda c: c[0]))
-        if last:
+        if dim == dims - 1:
             return [[expert for _, name, expert in best if expert.uid == name] for best in candidates]
         wanted = sorted({name + UID_DELIMITER for best in candidates for _, name, _ in best})
         level = await fetch(wanted)
@@ -63,4 +64,34 @@ async def batch_beam_search(uid_prefix: str, grid_scores: Sequence[Sequence[Sequ
 async def fetch_from_dht(node, prefixes: list[str]) -> dict[str, dict[int, ExpertInfo]]:
     """One DHT request for many prefixes (answered from the node's cache while entries are fresh)."""
     found = await node.get_many(prefixes, num_workers=max(1, min(len(prefixes), 16)))
-    return {prefix: MoEBeamSearcher._select_valid_entries(found.get(prefix)) for prefix in prefixes}
+    return {prefix: successors(found.get(prefix)) for prefix in prefixes}
+
+
+def successors(entry: Any) -> dict[int, ExpertInfo]:
+    """{coordinate: expert} of one prefix's DHT entry, as hivemind's `declare_experts` writes it
+    (subkey coordinate, value (uid, peer id)). Items after those two are ignored (a newer writer
+    may add some); an entry that does not parse is skipped and logged once at debug, so one bad
+    record never fails a search. (hivemind's own reader raises on a malformed peer id.)"""
+    value = getattr(entry, "value", None)
+    found: dict[int, ExpertInfo] = {}
+    for coord, match in value.items() if isinstance(value, dict) else ():
+        record = getattr(match, "value", None)
+        if record is None:  # hivemind's negative-caching marker: no such prefix
+            continue
+        try:
+            if type(coord) is not int or not isinstance(record, (tuple, list)) or len(record) < 2 \
+                    or not isinstance(record[0], str) or not is_valid_uid(record[0]) or not isinstance(record[1], str):
+                raise ValueError("expected (uid, peer id)")
+            found[coord] = ExpertInfo(uid=record[0], peer_id=PeerID.from_base58(record[1]))
+        except Exception as e:  # base58 and multihash decoding raise their own errors
+            _reject(f"{coord!r:.40}: {record!r:.80}: {e}")
+    return found
+
+
+_rejected: set[str] = set()
+
+
+def _reject(reason: str) -> None:
+    if reason not in _rejected and len(_rejected) < 1000:
+        _rejected.add(reason)
+        log.debug("ignoring an expert record", extra={"fields": {"reason": reason}})

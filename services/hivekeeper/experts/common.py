@@ -1,5 +1,5 @@
-"""What every ExpertPool role shares: its context (the Swarm roles' RoleContext: arguments, DHT,
-HTTP endpoint, reports in the DHT) and its Prometheus metrics."""
+"""What every ExpertPool role shares: its context (the shared role layer) and its Prometheus
+metrics."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import argparse
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from hivekeeper.spec import load_manifest
+from hivekeeper.runtime.context import RoleContext
+from hivekeeper.runtime.lifecycle import load_context
 from hivekeeper.spec.expertpool import ExpertPoolSpec
-from hivekeeper.swarm.common import RoleContext, install_signal_handlers
+
+PoolContext = RoleContext[ExpertPoolSpec]
 
 BEAM_SEARCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 # cancelled: the layer stopped waiting (its examples had kMin replies, or the timeout passed)
@@ -64,14 +66,8 @@ class ExpertMetrics:
         self.experts_alive = Gauge("hivekeeper_experts_alive", "Experts announced by live servers", registry=r)
 
 
-def load_pool_context(role: str, args: argparse.Namespace, signals: bool = True) -> RoleContext:
+def load_pool_context(role: str, args: argparse.Namespace, signals: bool = True) -> PoolContext:
     """The role's context. `signals=False` leaves SIGTERM/SIGINT handlers to the caller: a server
     forks hivemind's worker processes first, so that they keep the default handlers and die
     when the group is terminated."""
-    manifest = load_manifest(args.manifest)
-    if not isinstance(manifest.spec, ExpertPoolSpec):
-        raise SystemExit(f"{args.manifest}: role {role} needs an ExpertPool manifest")
-    ctx = RoleContext(role=role, args=args, manifest=manifest, metrics=ExpertMetrics())  # type: ignore[arg-type]
-    if signals:
-        install_signal_handlers(ctx.stop)
-    return ctx
+    return load_context(role, args, ExpertPoolSpec, ExpertMetrics(), signals=signals)

@@ -9,6 +9,7 @@ import math
 from typing import Sequence
 
 from hivekeeper.spec.expertpool import ExpertPoolSpec
+from hivekeeper.topology import VOLUNTEER_INDEX
 
 UID_DELIMITER = "."  # hivemind.moe's: the DHT stores every prefix of a uid split at it
 
@@ -44,8 +45,20 @@ def pool_assignment(spec: ExpertPoolSpec) -> list[list[str]]:
 
 
 def server_experts(spec: ExpertPoolSpec, index: int) -> list[str]:
-    """The uids server `index` holds; a replacement with the same index resumes the same experts."""
+    """The uids server `index` holds; a replacement with the same index resumes the same experts.
+    A volunteer's server (index VOLUNTEER_INDEX and up) holds free cells: `volunteer_experts`."""
+    if index >= VOLUNTEER_INDEX:
+        return volunteer_experts(spec, index)
     assignment = pool_assignment(spec)
     if not 0 <= index < len(assignment):
         raise ValueError(f"server index {index} is outside servers.replicas ({spec.servers.replicas})")
     return assignment[index]
+
+
+def volunteer_experts(spec: ExpertPoolSpec, index: int) -> list[str]:
+    """What a volunteer's server holds: the grid's free cells (those beyond the servers' share),
+    cut into shares of expertsPerServer spread like the servers' own; its index picks one. None
+    when the servers hold the whole grid."""
+    free = grid_uids(spec.grid.uid_prefix, spec.grid.dimensions)[spec.hosted_experts:]
+    shares = math.ceil(len(free) / (spec.servers.experts_per_server or len(free) or 1))
+    return free[index % shares::shares] if free else []

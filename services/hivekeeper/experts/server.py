@@ -16,10 +16,11 @@ from hivemind.moe.server.server import Server
 
 from hivekeeper.experts.backend import ExpertBackend, make_backend
 from hivekeeper.experts.checkpoints import load_expert, save_expert
-from hivekeeper.experts.common import load_pool_context
+from hivekeeper.experts.common import PoolContext, load_pool_context
 from hivekeeper.experts.grid import server_experts
-from hivekeeper.experts.handler import CheckedConnectionHandler
-from hivekeeper.swarm.common import RoleContext, install_signal_handlers, setup_logging
+from hivekeeper.experts.kind import SERVER
+from hivekeeper.hivemind_ext.moe_handler import CheckedConnectionHandler
+from hivekeeper.runtime.lifecycle import install_signal_handlers
 
 log = logging.getLogger("hivekeeper.experts.server")
 CONNECTION_HANDLERS = 2  # processes taking requests; each serves many at once (asyncio)
@@ -27,13 +28,17 @@ REPORT_SECONDS = 1.0
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("expert-server", args.index)
-    ctx = load_pool_context("expert-server", args, signals=False)
-    return ExpertServer(ctx).run()
+    ctx = load_pool_context(SERVER, args, signals=False)
+    server = ExpertServer(ctx)
+    if not server.uids:  # a volunteer (grid.volunteer_experts) where the servers hold the whole grid
+        log.error(f"no free experts to hold: the servers hold all {ctx.spec.hosted_experts} of the grid "
+                  "(servers.replicas x servers.expertsPerServer leaves no cell to volunteers)")
+        return 2
+    return server.run()
 
 
 class ExpertServer:
-    def __init__(self, ctx: RoleContext):
+    def __init__(self, ctx: PoolContext):
         self.ctx = ctx
         spec = ctx.spec
         self.uids = server_experts(spec, ctx.args.index)
@@ -113,6 +118,7 @@ class ExpertServer:
             self.ctx.metrics.expert_updates.labels(uid).set(entry["updates"])
             self.ctx.metrics.expert_forward_batches.labels(uid).set(entry["forwardBatches"])
         self.ctx.status.update(experts=experts, resumed=resumed, peerId=str(dht.peer_id),
+                               served=sum(entry["forwardBatches"] for entry in experts.values()),
                                checkpointDir=str(self.checkpoint_dir))
         self.ctx.publish_report(dht, {"experts": sorted(experts)})
 

@@ -20,14 +20,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hivekeeper.experts.common import load_pool_context
+from hivekeeper.experts.common import PoolContext, load_pool_context
 from hivekeeper.experts.dmoe import ExpertClient, ExpertsUnavailable
+from hivekeeper.experts.kind import SERVER, TRAINER
 from hivekeeper.experts.model import DMoEClassifier
-from hivekeeper.swarm.checkpoint import save_checkpoint
-from hivekeeper.swarm.common import RoleContext, read_peer_reports, setup_logging
-from hivekeeper.swarm.optimizer import torch_optimizer_factory
-from hivekeeper.swarm.trainer import index_stream
+from hivekeeper.runtime.reports import read_peer_reports
 from hivekeeper.tasks import load_task
+from hivekeeper.training.checkpoint import save_checkpoint
+from hivekeeper.training.loop import RateWindow, index_stream, peer_seed
+from hivekeeper.training.optimizers import torch_optimizer_factory
 
 log = logging.getLogger("hivekeeper.experts.trainer")
 REPORT_SECONDS = 1.0
@@ -35,12 +36,11 @@ RETRY_SECONDS = 0.5  # after a dropped batch: the DHT forgets a dead server's ex
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("expert-trainer", args.index)
-    return ExpertTrainer(load_pool_context("expert-trainer", args)).run()
+    return ExpertTrainer(load_pool_context(TRAINER, args)).run()
 
 
 class ExpertTrainer:
-    def __init__(self, ctx: RoleContext):
+    def __init__(self, ctx: PoolContext):
         self.ctx = ctx
         self.spec = ctx.spec
         self.task = load_task(self.spec.task.name, self.spec.task.options, seed=self.spec.task.seed)
@@ -50,7 +50,7 @@ class ExpertTrainer:
         self.failed = 0
         self.losses: deque[float] = deque(maxlen=20)
         self.loss_history: dict[int, float] = {}
-        self.samples_window: deque[tuple[float, int]] = deque()
+        self.window = RateWindow()
         self.eval_step = -1
         self.eval_metrics: dict[str, float] = {}
         self.in_flight = 0
@@ -68,7 +68,7 @@ class ExpertTrainer:
         self.model = DMoEClassifier(spec, self.client)
         self.optimizer = torch_optimizer_factory(spec.trainers.optimizer)(self.model.parameters())
         self.batches = index_stream(self.task.train_size, spec.trainers.batch_size,
-                                    seed=spec.task.seed * 10_007 + ctx.args.index + 1)
+                                    seed=peer_seed(spec.task.seed, ctx.args.index))
         history = open(self.run_dir / "history.jsonl", "a", buffering=1) if self.leader else None
         try:
             self.wait_for_experts()
@@ -140,7 +140,7 @@ class ExpertTrainer:
                 self.optimizer.step()
                 self.step += 1
                 self.losses.append(loss.item())
-                self.samples_window.append((time.monotonic(), len(y)))
+            self.window.add(len(y))
             self.ctx.metrics.samples.inc(len(y))
 
     def dropped(self, why: str) -> None:
@@ -165,23 +165,13 @@ class ExpertTrainer:
             self.ctx.metrics.eval_metric.labels(name).set(value)
         log.info("evaluated", extra={"fields": {"step": step, **self.eval_metrics}})
 
-    def samples_per_second(self) -> float:
-        horizon = time.monotonic() - 10.0
-        with self._lock:
-            while self.samples_window and self.samples_window[0][0] < horizon:
-                self.samples_window.popleft()
-            window = list(self.samples_window)
-        if len(window) < 2 or window[-1][0] <= window[0][0]:
-            return 0.0
-        return sum(n for _, n in window[1:]) / (window[-1][0] - window[0][0])
-
     def report(self) -> dict[str, Any]:
         metrics, stats = self.ctx.metrics, self.client.stats
         loss = statistics.fmean(self.losses) if self.losses else None
         if loss is not None:
             self.loss_history[self.step] = round(loss, 6)
             metrics.loss.set(loss)
-        rate = self.samples_per_second()
+        rate = self.window.rate()
         metrics.samples_per_second.set(rate)
         metrics.in_flight.set(self.in_flight)
         for outcome, count in (("ok", stats.ok), ("failed", stats.failed)):
@@ -206,7 +196,7 @@ class ExpertTrainer:
             "expertRequests": {"ok": stats.ok, "failed": stats.failed},
             "beamSearchSeconds": round(statistics.median(searches), 5) if searches else None,
             "peersAlive": alive,
-            "expertsAlive": sum(len(r.get("experts") or ()) for r in reports if r["role"] == "expert-server"),
+            "expertsAlive": sum(len(r.get("experts") or ()) for r in reports if r["role"] == SERVER),
             "evalStep": self.eval_step,
             "evalMetrics": self.eval_metrics,
         }

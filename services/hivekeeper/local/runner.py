@@ -32,7 +32,7 @@ def prepare_run(manifest: Manifest, run_dir: Path, host: str = "127.0.0.1") -> t
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = run_dir / "manifest.json"
     manifest_path.write_text(json.dumps(manifest.model_dump(by_alias=True, mode="json", exclude_none=True), indent=2))
-    network = LocalNetwork(run_dir, host, getattr(manifest.spec, "volunteers", None))
+    network = LocalNetwork(run_dir, host, manifest.spec.volunteers)
     kind = runtime(manifest.kind)
     peer_ids = {name: ensure_identity(Path(network.identity_path(name))) for name in kind.identity_roles(manifest)}
     roles = kind.roles(manifest, network, peer_ids, str(manifest_path.resolve()), str(run_dir.resolve()))
@@ -40,7 +40,7 @@ def prepare_run(manifest: Manifest, run_dir: Path, host: str = "127.0.0.1") -> t
     if admits_by_token:
         provision_access(manifest, network, roles, peer_ids)
     (run_dir / "ports.json").write_text(json.dumps({role.name: role.ports[METRICS] for role in roles}, indent=2))
-    backbone = [r for r in roles if r.component.startswith("backbone")]  # every kind's bootstrap peers
+    backbone = [r for r in roles if r.backbone]
     progress = next((r.name for r in roles if r.completes_run), None)
     (run_dir / "run.json").write_text(json.dumps({
         "kind": manifest.kind, "name": manifest.metadata.name, "host": host,
@@ -79,7 +79,7 @@ def run_locally(manifest: Manifest, run_dir: Path, console: Console | None = Non
     previous = {sig: signal.signal(sig, lambda *_: interrupted.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     completed = False
     try:
-        supervisor.start(ready_first=("auth", "backbone"))
+        supervisor.start(ready_first=lambda role: role.backbone or role.component == "auth")
         with ProgressView(manifest.metadata.name, supervisor, runtime(manifest.kind).target_steps(manifest), console) as view:
             while not interrupted.is_set():
                 if supervisor.poll():

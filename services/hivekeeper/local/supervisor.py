@@ -13,7 +13,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from hivekeeper.topology import Role
 
@@ -54,11 +54,11 @@ class Supervisor:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.children = [Child(role, log_dir / f"{role.name}.log") for role in roles]
 
-    def start(self, ready_first: Sequence[str] = (), ready_timeout: float = 60.0) -> None:
-        """Start every child; the components named by a prefix in `ready_first` (every kind's
-        backbone, which the others bootstrap from) start first and must answer /readyz before
-        the rest start."""
-        first = [c for c in self.children if c.role.component.startswith(tuple(ready_first))]
+    def start(self, ready_first: Callable[[Role], bool] = lambda role: False, ready_timeout: float = 60.0) -> None:
+        """Start every child; the roles `ready_first` picks (the backbone, which the others
+        bootstrap from; the token service) start first and must answer /readyz before the rest
+        start."""
+        first = [c for c in self.children if ready_first(c.role)]
         for child in first:
             self._spawn(child)
         deadline = time.monotonic() + ready_timeout

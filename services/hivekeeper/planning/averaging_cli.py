@@ -12,15 +12,8 @@ from rich.table import Table
 
 from hivekeeper.errors import UserError
 from hivekeeper.inputs import load_input
-from hivekeeper.planning.averaging_lp import (
-    AveragingPlan,
-    AveragingProblem,
-    PeerCapacity,
-    Throughput,
-    all_reduce_baseline,
-    parameter_server_baseline,
-    plan_averaging,
-)
+from hivekeeper.planning.averaging_lp import (AveragingPlan, AveragingProblem, PeerCapacity, Throughput,
+                                              all_reduce_baseline, parameter_server_baseline, plan_averaging)
 from hivekeeper.planning.group_size import optimal_group_size
 from hivekeeper.spec.base import SpecModel
 
@@ -45,13 +38,8 @@ class AveragingInput(SpecModel):
 
 
 def _load(path: str) -> AveragingInput:
+    """The input, with what pydantic cannot see field by field checked too (one line naming the field, like it)."""
     spec = load_input(path, AveragingInput)
-    _check_consistency(spec, path)
-    return spec
-
-
-def _check_consistency(spec: AveragingInput, path: str) -> None:
-    """What pydantic cannot see field by field; one line naming the field, like it."""
     seen: set[str] = set()
     for k, peer in enumerate(spec.peers):
         if peer.name in seen:
@@ -67,39 +55,20 @@ def _check_consistency(spec: AveragingInput, path: str) -> None:
                 raise UserError(f"{path}: links.{src}: unknown peer {name!r}")
         if src in row:
             raise UserError(f"{path}: links.{src}.{src}: a peer has no link to itself")
-
-
-def _problem(spec: AveragingInput) -> AveragingProblem:
-    return AveragingProblem(
-        target_batch_size=spec.target_batch_size,
-        num_parameters=spec.num_parameters,
-        bytes_per_parameter=spec.bytes_per_parameter,
-        peers=[
-            PeerCapacity(peer.name, peer.samples_per_second, peer.upload_mbps, peer.download_mbps, peer.client_mode)
-            for peer in spec.peers
-        ],
-        links=spec.links,
-    )
+    return spec
 
 
 def _rates(throughput: Throughput) -> dict[str, float]:
     return {"stepsPerSecond": throughput.steps_per_second, "averagingSeconds": throughput.averaging_seconds}
 
 
-def _report(
-    spec: AveragingInput, plan: AveragingPlan, group_size: int, baselines: dict[str, Throughput]
-) -> dict[str, Any]:
+def _report(spec: AveragingInput, plan: AveragingPlan, group_size: int,
+            baselines: dict[str, Throughput]) -> dict[str, Any]:
     roles = {role.name: role for role in plan.peers}
     return {
         **_rates(plan),
-        "peers": [
-            {
-                "name": peer.name,
-                "computesGradients": roles[peer.name].computes_gradients,
-                "aggregationShare": roles[peer.name].aggregation_share,
-            }
-            for peer in spec.peers  # the input's order
-        ],
+        "peers": [{"name": peer.name, "computesGradients": roles[peer.name].computes_gradients,
+                   "aggregationShare": roles[peer.name].aggregation_share} for peer in spec.peers],  # the input's order
         "groupSize": group_size,
         "solveSeconds": plan.solve_seconds,
         "method": plan.method,
@@ -113,12 +82,9 @@ def _print_table(spec: AveragingInput, report: dict[str, Any]) -> None:
     for column in ("peer", "samples/s", "up Mbps", "down Mbps", "computes", "share"):
         table.add_column(column, justify="left" if column == "peer" else "right")
     for peer, role in zip(spec.peers, report["peers"]):
-        name = f"{peer.name} (client)" if peer.client_mode else peer.name
-        computes = "yes" if role["computesGradients"] else "no"
-        table.add_row(
-            name, f"{peer.samples_per_second:g}", f"{peer.upload_mbps:g}", f"{peer.download_mbps:g}",
-            computes, f"{role['aggregationShare']:.1%}",
-        )
+        table.add_row(f"{peer.name} (client)" if peer.client_mode else peer.name, f"{peer.samples_per_second:g}",
+                      f"{peer.upload_mbps:g}", f"{peer.download_mbps:g}", "yes" if role["computesGradients"] else "no",
+                      f"{role['aggregationShare']:.1%}")
     console.print(table)
     strategies = Table(show_header=True)
     for column in ("strategy", "steps/s", "averaging s", "plan speedup"):
@@ -129,15 +95,17 @@ def _print_table(spec: AveragingInput, report: dict[str, Any]) -> None:
         steps, seconds = rates["stepsPerSecond"], rates["averagingSeconds"]
         strategies.add_row(name, f"{steps:.4g}", f"{seconds:.3g}", f"{ours / steps:.2f}x")
     console.print(strategies)
-    console.print(
-        f"group size {report['groupSize']} of {len(spec.peers)} peers; "
-        f"solved by {report['method']} in {report['solveSeconds'] * 1e3:.1f} ms"
-    )
+    console.print(f"group size {report['groupSize']} of {len(spec.peers)} peers; "
+                  f"solved by {report['method']} in {report['solveSeconds'] * 1e3:.1f} ms")
 
 
 def run_plan_averaging(input_path: str, as_json: bool) -> int:
     spec = _load(input_path)
-    problem = _problem(spec)
+    problem = AveragingProblem(
+        target_batch_size=spec.target_batch_size, num_parameters=spec.num_parameters,
+        bytes_per_parameter=spec.bytes_per_parameter, links=spec.links,
+        peers=[PeerCapacity(p.name, p.samples_per_second, p.upload_mbps, p.download_mbps, p.client_mode)
+               for p in spec.peers])
     plan = plan_averaging(problem)
     baselines = {"allReduce": all_reduce_baseline(problem), "parameterServer": parameter_server_baseline(problem)}
     group_size = optimal_group_size(len(spec.peers), spec.failure_probability)

@@ -61,25 +61,9 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 from scipy.sparse import coo_array, csr_array
 
-__all__ = [
-    "EXACT_MAX_PEERS",
-    "AveragingPlan",
-    "AveragingProblem",
-    "LinearProgram",
-    "PeerCapacity",
-    "PeerRole",
-    "Relaxation",
-    "Throughput",
-    "all_reduce_baseline",
-    "literal_relaxation_lp",
-    "parameter_server_baseline",
-    "plan_averaging",
-    "plan_for_roles",
-    "relaxation_lp",
-    "solve_lp",
-    "solve_relaxation",
-    "throughput_of",
-]
+__all__ = ["EXACT_MAX_PEERS", "AveragingPlan", "AveragingProblem", "LinearProgram", "PeerCapacity", "PeerRole",
+           "Relaxation", "Throughput", "all_reduce_baseline", "literal_relaxation_lp", "parameter_server_baseline",
+           "plan_averaging", "plan_for_roles", "relaxation_lp", "solve_lp", "solve_relaxation", "throughput_of"]
 
 EXACT_MAX_PEERS = 16  # exact MILP: ~20 ms at 16 peers, ~50 ms at 32, ~110 ms at 64 (bench)
 MILP_NODE_LIMIT = 5_000  # a node limit, unlike a time limit, keeps plans deterministic
@@ -215,16 +199,10 @@ def _scale(problem: AveragingProblem) -> _Scaled:
         for dst, mbps in row.items():
             links[index[src], index[dst]] = mbps * vectors_per_mbps
     unit = float(min(compute.sum(), np.minimum(upload, download).sum()))
-    return _Scaled(
-        names=names,
-        compute=compute / unit,
-        upload=upload / unit,
-        download=download / unit,
-        aggregates=np.array([not peer.client_mode for peer in peers]),
-        forced=np.array([peer.client_mode and peer.samples_per_second > 0 for peer in peers]),
-        links=links / unit,
-        unit=unit,
-    )
+    return _Scaled(names=names, compute=compute / unit, upload=upload / unit, download=download / unit,
+                   aggregates=np.array([not peer.client_mode for peer in peers]),
+                   forced=np.array([peer.client_mode and peer.samples_per_second > 0 for peer in peers]),
+                   links=links / unit, unit=unit)
 
 
 # --- sparse programs -----------------------------------------------------------------
@@ -234,12 +212,8 @@ class _Rows:
     """Collects blocks of `<=` rows; each block has the same number of entries per row."""
 
     def __init__(self, size: int) -> None:
-        self.size = size
-        self._rows: list[np.ndarray] = []
-        self._cols: list[np.ndarray] = []
-        self._vals: list[np.ndarray] = []
-        self._rhs: list[np.ndarray] = []
-        self.count = 0
+        self.size, self.count = size, 0
+        self._rows, self._cols, self._vals, self._rhs = [], [], [], []  # blocks of np.ndarray
 
     def add(self, cols: np.ndarray, vals: np.ndarray | float, rhs: np.ndarray | float) -> None:
         cols = np.atleast_2d(cols)
@@ -274,13 +248,8 @@ def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 def solve_lp(program: LinearProgram) -> np.ndarray:
     """HiGHS' dual simplex: a vertex, the same one for the same input."""
-    result = linprog(
-        program.cost,
-        A_ub=program.matrix,
-        b_ub=program.rhs,
-        bounds=np.column_stack([program.lower, program.upper]),
-        method="highs-ds",
-    )
+    result = linprog(program.cost, A_ub=program.matrix, b_ub=program.rhs,
+                     bounds=np.column_stack([program.lower, program.upper]), method="highs-ds")
     if result.status != 0:
         raise RuntimeError(f"averaging LP failed: {result.message}")
     return result.x
@@ -370,11 +339,9 @@ def _closed_form(m: _Scaled, roles: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     k_agg = computing_aggs.sum(axis=1)
     w_all = w[agg].sum()
     with np.errstate(divide="ignore", invalid="ignore"):
-        spread = np.where(
-            k_agg == 0,
-            w_all / k,  # only client-mode peers compute: aggregators each take in w_i / K
-            (2 * (computing_aggs @ w) + (k - 2) * w_all) / (k * (k - 2 + k_agg)),
-        )
+        spread = np.where(k_agg == 0,
+                          w_all / k,  # only client-mode peers compute: aggregators each take in w_i / K
+                          (2 * (computing_aggs @ w) + (k - 2) * w_all) / (k * (k - 2 + k_agg)))
     rate = np.minimum(np.where(roles, w, np.inf).min(axis=1), spread)  # each sender carries R
     rate = np.where((k == 1) & (k_agg == 1), np.inf, rate)  # a lone non-client trainer
     rate = np.where(k == 0, 0.0, rate)
@@ -446,14 +413,9 @@ def _share_rates(m: _Scaled, roles: np.ndarray) -> np.ndarray:
     links = np.zeros((i.size, n))
     np.add.at(links, (np.arange(i.size), j), c[i])  # i's part to aggregator j
     np.add.at(links, (np.arange(i.size), i), c[j])  # aggregator i's average back to j
-    program = LinearProgram(
-        cost=-np.ones(n),
-        matrix=csr_array(np.vstack([traffic, links])),
-        rhs=np.concatenate([m.capacity, caps]),
-        lower=np.zeros(n),
-        upper=np.where(m.aggregates, m.capacity, 0.0),
-    )
-    return solve_lp(program)
+    return solve_lp(LinearProgram(cost=-np.ones(n), matrix=csr_array(np.vstack([traffic, links])),
+                                  rhs=np.concatenate([m.capacity, caps]), lower=np.zeros(n),
+                                  upper=np.where(m.aggregates, m.capacity, 0.0)))
 
 
 class _MilpIndex:
@@ -525,13 +487,9 @@ def _milp_roles(m: _Scaled) -> tuple[np.ndarray, bool]:
     program, ix = _milp_program(m)
     integrality = np.zeros(ix.size)
     integrality[ix.c] = integrality[ix.digit] = 1
-    result = milp(
-        program.cost,
-        integrality=integrality,
-        bounds=Bounds(program.lower, program.upper),
-        constraints=LinearConstraint(program.matrix, -np.inf, program.rhs),
-        options={"node_limit": MILP_NODE_LIMIT, "mip_rel_gap": 1e-7},
-    )
+    result = milp(program.cost, integrality=integrality, bounds=Bounds(program.lower, program.upper),
+                  constraints=LinearConstraint(program.matrix, -np.inf, program.rhs),
+                  options={"node_limit": MILP_NODE_LIMIT, "mip_rel_gap": 1e-7})
     if result.x is None:
         raise RuntimeError(f"averaging MILP failed: {result.message}")
     return result.x[ix.c] > 0.5, result.status == 0
@@ -542,17 +500,12 @@ def _rounded_roles(m: _Scaled) -> list[np.ndarray]:
     by local search."""
     program, ix = _milp_program(m)
     rounded = solve_lp(program)[ix.c] >= 0.5
-    starts = [rounded, m.compute > 0]
-    return [_local_search(m, start) for start in starts if start.any()]
+    return [_local_search(m, start) for start in (rounded, m.compute > 0) if start.any()]
 
 
 def _evaluate(m: _Scaled, roles: np.ndarray) -> tuple[Throughput, np.ndarray]:
     rates = _share_rates(m, roles)
-    throughput = Throughput(
-        compute_bound=float(roles @ m.compute) * m.unit,
-        aggregation_bound=float(rates.sum()) * m.unit,
-    )
-    return throughput, rates
+    return Throughput(float(roles @ m.compute) * m.unit, float(rates.sum()) * m.unit), rates
 
 
 def _plan(m: _Scaled, roles: np.ndarray, evaluated: tuple[Throughput, np.ndarray], started: float,
@@ -560,15 +513,9 @@ def _plan(m: _Scaled, roles: np.ndarray, evaluated: tuple[Throughput, np.ndarray
     throughput, rates = evaluated
     shares = np.isinf(rates).astype(float) if np.isinf(rates).any() else rates / rates.sum()  # eq. 6
     return AveragingPlan(
-        compute_bound=throughput.compute_bound,
-        aggregation_bound=throughput.aggregation_bound,
-        peers=tuple(
-            PeerRole(name=name, computes_gradients=bool(roles[k]), aggregation_share=float(shares[k]))
-            for k, name in enumerate(m.names)
-        ),
-        solve_seconds=time.perf_counter() - started,
-        method=method,
-    )
+        compute_bound=throughput.compute_bound, aggregation_bound=throughput.aggregation_bound,
+        peers=tuple(PeerRole(name, bool(roles[k]), float(shares[k])) for k, name in enumerate(m.names)),
+        solve_seconds=time.perf_counter() - started, method=method)
 
 
 def plan_averaging(problem: AveragingProblem, exact: bool | None = None) -> AveragingPlan:

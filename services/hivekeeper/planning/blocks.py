@@ -23,18 +23,8 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import csc_array
 
-__all__ = [
-    "BlockPlan",
-    "ServedSpan",
-    "Server",
-    "Span",
-    "block_throughput",
-    "choose_best_start",
-    "greedy_join",
-    "plan_blocks",
-    "rebalance",
-    "should_move",
-]
+__all__ = ["BlockPlan", "ServedSpan", "Server", "Span", "block_throughput", "choose_best_start", "greedy_join",
+           "plan_blocks", "rebalance", "should_move"]
 
 DEFAULT_BALANCE_QUALITY = 0.75  # Petals' server default
 DEFAULT_ITERATIONS = 40_000  # annealing moves per plan
@@ -87,8 +77,7 @@ def choose_best_start(throughputs: np.ndarray, length: int) -> int:
     lexicographically, so the span holding the weakest block wins, then the one whose
     next-weakest block is weakest, and so on; ties go to the lowest start.
     """
-    windows = np.sort(np.lib.stride_tricks.sliding_window_view(throughputs, length), axis=1)
-    return int(_lex_extreme(-windows)[0])
+    return int(_worst_windows(throughputs, length)[0])
 
 
 def greedy_join(num_blocks: int, servers: Sequence[Server]) -> list[Span]:
@@ -103,12 +92,8 @@ def greedy_join(num_blocks: int, servers: Sequence[Server]) -> list[Span]:
     return spans
 
 
-def should_move(
-    num_blocks: int,
-    spans: Sequence[ServedSpan],
-    local_name: str,
-    balance_quality: float = DEFAULT_BALANCE_QUALITY,
-) -> bool:
+def should_move(num_blocks: int, spans: Sequence[ServedSpan], local_name: str,
+                balance_quality: float = DEFAULT_BALANCE_QUALITY) -> bool:
     """Whether the server `local_name` should leave its span and rejoin elsewhere.
 
     Petals' semantics: take the local server out, put it at its greedy best start, then
@@ -140,14 +125,11 @@ def should_move(
     _settle(load, starts, lengths, units)
 
     new = load.min()
-    if new <= initial:
-        return False
-    return initial / new < balance_quality
+    return new > initial and initial / new < balance_quality
 
 
-def rebalance(
-    num_blocks: int, spans: Sequence[ServedSpan], balance_quality: float = DEFAULT_BALANCE_QUALITY
-) -> list[ServedSpan]:
+def rebalance(num_blocks: int, spans: Sequence[ServedSpan],
+              balance_quality: float = DEFAULT_BALANCE_QUALITY) -> list[ServedSpan]:
     """Petals' swarm over time: each server in turn checks `should_move` and, if told
     to, rejoins at its greedy best start; until a round moves nobody (or a round cap)."""
     spans = list(spans)
@@ -170,12 +152,8 @@ def rebalance(
 # --- the global planner --------------------------------------------------------------
 
 
-def plan_blocks(
-    num_blocks: int,
-    servers: Sequence[Server],
-    iterations: int = DEFAULT_ITERATIONS,
-    node_limit: int = DEFAULT_NODE_LIMIT,
-) -> BlockPlan:
+def plan_blocks(num_blocks: int, servers: Sequence[Server], iterations: int = DEFAULT_ITERATIONS,
+                node_limit: int = DEFAULT_NODE_LIMIT) -> BlockPlan:
     """One contiguous span per server maximizing the worst block's throughput, then the
     next worst, and so on (lexicographic max-min of the sorted block throughputs).
 
@@ -215,24 +193,13 @@ def plan_blocks(
 
     load = block_throughput(num_blocks, servers, best)
     upper = float(load.min()) if optimal else bound * float(weights.max()) / _UNIT_SCALE
-    return BlockPlan(
-        assignments=tuple(Span(s.name, int(b), int(b + n)) for s, b, n in zip(servers, best, lengths)),
-        block_throughput=tuple(float(x) for x in load),
-        min_throughput=float(load.min()),
-        upper_bound=max(upper, float(load.min())),
-        optimal=optimal,
-    )
+    return BlockPlan(assignments=tuple(Span(s.name, int(b), int(b + n)) for s, b, n in zip(servers, best, lengths)),
+                     block_throughput=tuple(float(x) for x in load), min_throughput=float(load.min()),
+                     upper_bound=max(upper, float(load.min())), optimal=optimal)
 
 
-def _raise_bottleneck(
-    num_blocks: int,
-    lengths: np.ndarray,
-    units: np.ndarray,
-    best: np.ndarray,
-    bound: float,
-    iterations: int,
-    node_limit: int,
-) -> tuple[np.ndarray, bool]:
+def _raise_bottleneck(num_blocks: int, lengths: np.ndarray, units: np.ndarray, best: np.ndarray, bound: float,
+                      iterations: int, node_limit: int) -> tuple[np.ndarray, bool]:
     """Steps 3 and 4 of `plan_blocks`: the starts with the best minimum found, and
     whether that minimum is proven optimal (exact search, or it meets `bound`)."""
     low = int(_load(num_blocks, best, lengths, units).min())
@@ -291,6 +258,21 @@ def _load(num_blocks: int, starts: np.ndarray, lengths: np.ndarray, weights: np.
     return load
 
 
+def _worst_windows(load: np.ndarray, length: int) -> np.ndarray:
+    """Starts of the spans of `length` whose sorted block loads are lexicographically smallest."""
+    return _lex_extreme(-np.sort(np.lib.stride_tricks.sliding_window_view(load, length), axis=1))
+
+
+def _shortfall_change(load: list[int], target: int, first: int, last: int, unit: int) -> int:
+    """Adds `unit` to blocks [first, last) of `load`; returns the change in shortfall below `target`."""
+    change = 0
+    for b in range(first, last):
+        before = load[b]
+        load[b] = after = before + unit
+        change += (target - after if after < target else 0) - (target - before if before < target else 0)
+    return change
+
+
 def _lex_extreme(rows: np.ndarray) -> np.ndarray:
     """Indices of the lexicographically largest rows, ascending."""
     candidates = np.arange(len(rows))
@@ -307,8 +289,7 @@ def _greedy_restart(load: np.ndarray, starts: np.ndarray, lengths: np.ndarray, u
     updated in place. Staying wins ties (Petals: subtract its throughput times 1 + eps)."""
     start, length = starts[i], lengths[i]
     load[start : start + length] -= units[i]
-    windows = np.sort(np.lib.stride_tricks.sliding_window_view(load, length), axis=1)
-    best = _lex_extreme(-windows)
+    best = _worst_windows(load, length)
     new = start if start in best else int(best[0])
     load[new : new + length] += units[i]
     starts[i] = new
@@ -351,24 +332,14 @@ def _lp_bound(num_blocks: int, lengths: np.ndarray, units: np.ndarray) -> float:
         column += len(starts)
     rows, cols = np.concatenate(rows), np.concatenate(cols)
     # The last variable is T; one row per block: T - load(b) <= 0.
-    cover = csc_array(
-        (
-            np.concatenate([-np.ones(len(rows)), np.ones(num_blocks)]),
-            (np.concatenate([rows, np.arange(num_blocks)]), np.concatenate([cols, np.full(num_blocks, column)])),
-        ),
-        shape=(num_blocks, column + 1),
-    )
+    entries = (np.concatenate([rows, np.arange(num_blocks)]), np.concatenate([cols, np.full(num_blocks, column)]))
+    cover = csc_array((np.concatenate([-np.ones(len(rows)), np.ones(num_blocks)]), entries),
+                      shape=(num_blocks, column + 1))
     pools = csc_array((np.ones(column), (np.concatenate(owner), np.arange(column))), shape=(len(mass), column + 1))
     objective = np.zeros(column + 1)
     objective[-1] = -1.0
-    result = linprog(
-        objective,
-        A_ub=cover,
-        b_ub=np.zeros(num_blocks),
-        A_eq=pools,
-        b_eq=np.array([mass[length] for length in sorted(mass)]) / scale,
-        method="highs",
-    )
+    result = linprog(objective, A_ub=cover, b_ub=np.zeros(num_blocks), A_eq=pools,
+                     b_eq=np.array([mass[length] for length in sorted(mass)]) / scale, method="highs")
     return -result.fun * scale
 
 
@@ -398,17 +369,11 @@ class _Shortfall:
         return change
 
     def _add(self, first: int, last: int, unit: int) -> int:
-        load, target, change = self.load, self.target, 0
-        for b in range(first, last):
-            before = load[b]
-            load[b] = after = before + unit
-            change += (target - after if after < target else 0) - (target - before if before < target else 0)
-        return change
+        return _shortfall_change(self.load, self.target, first, last, unit)
 
 
-def _anneal(
-    num_blocks: int, lengths: np.ndarray, units: np.ndarray, best: np.ndarray, low: int, high: int, iterations: int
-) -> tuple[np.ndarray, int]:
+def _anneal(num_blocks: int, lengths: np.ndarray, units: np.ndarray, best: np.ndarray, low: int, high: int,
+            iterations: int) -> tuple[np.ndarray, int]:
     """Simulated annealing on the shortfall below a moving target T between `low`
     (reached by `best`) and `high` (a bound). Returns the best starts and their minimum."""
     lengths_, units_ = lengths.tolist(), units.tolist()
@@ -556,12 +521,8 @@ class _Sweep:
         return here >= self.target - self.load[block] and area >= self.shortfall
 
     def _add(self, k: int, start: int, sign: int) -> None:
-        load, target, unit, change = self.load, self.target, sign * self.units[k], 0
-        for b in range(start, start + self.lengths[k]):
-            before = load[b]
-            load[b] = after = before + unit
-            change += (target - after if after < target else 0) - (target - before if before < target else 0)
-        self.shortfall += change
+        end = start + self.lengths[k]
+        self.shortfall += _shortfall_change(self.load, self.target, start, end, sign * self.units[k])
         self.starts[k] = start if sign > 0 else -1
 
     def _starts(self) -> np.ndarray:
@@ -576,9 +537,8 @@ class _Sweep:
         return starts
 
 
-def _sweep_ratchet(
-    num_blocks: int, lengths: np.ndarray, units: np.ndarray, best: np.ndarray, low: int, node_limit: int
-) -> tuple[np.ndarray, int, bool]:
+def _sweep_ratchet(num_blocks: int, lengths: np.ndarray, units: np.ndarray, best: np.ndarray, low: int,
+                   node_limit: int) -> tuple[np.ndarray, int, bool]:
     """Exact probes at T = low + 1 (one unit above the best minimum so far): a find
     raises `low` and probes again; a completed search proves `low` optimal. Returns
     the best starts, their minimum, and whether that minimum is proven optimal."""

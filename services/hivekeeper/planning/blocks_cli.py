@@ -44,14 +44,10 @@ def _read(path: str) -> BlocksInput:
 def _report(spec: BlocksInput, servers: list[Server], plan: BlockPlan) -> dict[str, Any]:
     greedy = greedy_join(spec.num_blocks, servers)
     greedy_load = block_throughput(spec.num_blocks, servers, [span.start for span in greedy])
-    return {
-        "assignments": [{"name": a.name, "start": a.start, "end": a.end} for a in plan.assignments],
-        "blockThroughput": list(plan.block_throughput),
-        "minThroughput": plan.min_throughput,
-        "upperBound": plan.upper_bound,
-        "optimal": plan.optimal,
-        "baselines": {"greedyJoin": {"minThroughput": float(greedy_load.min())}},
-    }
+    return {"assignments": [{"name": a.name, "start": a.start, "end": a.end} for a in plan.assignments],
+            "blockThroughput": list(plan.block_throughput), "minThroughput": plan.min_throughput,
+            "upperBound": plan.upper_bound, "optimal": plan.optimal,
+            "baselines": {"greedyJoin": {"minThroughput": float(greedy_load.min())}}}
 
 
 def _runs(values: list[float]) -> list[tuple[int, int, float]]:
@@ -74,8 +70,7 @@ def _print_tables(spec: BlocksInput, report: dict[str, Any]) -> None:
         spans.add_row(a["name"], f"{server.throughput:g}", str(a["end"] - a["start"]), f"{a['start']}-{a['end'] - 1}")
     console.print(spans)
 
-    blocks = Table(title="Throughput per block")
-    blocks.add_column("blocks")
+    blocks = Table("blocks", title="Throughput per block")
     blocks.add_column("throughput", justify="right")
     for first, last, value in _runs(report["blockThroughput"]):
         blocks.add_row(str(first) if first == last else f"{first}-{last}", f"{value:.4g}")
@@ -90,8 +85,7 @@ def _print_tables(spec: BlocksInput, report: dict[str, Any]) -> None:
 def run_plan_blocks(input_path: str, as_json: bool) -> int:
     spec = _read(input_path)
     servers = [Server(s.name, s.throughput, s.span_length) for s in spec.servers]
-    plan = plan_blocks(spec.num_blocks, servers)
-    report = _report(spec, servers, plan)
+    report = _report(spec, servers, plan_blocks(spec.num_blocks, servers))
     if as_json:
         print(json.dumps(report, indent=2))
     else:

@@ -15,7 +15,3 @@ class SpecModel(BaseModel):
         validate_assignment=True,
         frozen=False,
     )
-
-    def to_manifest(self) -> dict:
-        """The camelCase form, as it appears in a manifest (defaults included)."""
-        return self.model_dump(by_alias=True, mode="json")

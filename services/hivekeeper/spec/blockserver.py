@@ -11,7 +11,8 @@ from typing import Literal, Optional
 from pydantic import Field, StrictBool, model_validator
 
 from hivekeeper.spec.base import SpecModel
-from hivekeeper.spec.swarm import Resources
+from hivekeeper.spec.common import BackboneSpec, Resources
+from hivekeeper.spec.volunteers import VolunteersSpec
 
 WireCompression = Literal["none", "float16", "blockwise8bit"]
 
@@ -98,6 +99,8 @@ class BlockServerSpec(SpecModel):
     compression: WireCompression = Field("none", description="hidden states on the wire")
     balancer: BalancerSpec = Field(default_factory=BalancerSpec)
     client: ClientSpec = Field(default_factory=ClientSpec)
+    backbone: BackboneSpec = Field(default_factory=BackboneSpec)
+    volunteers: VolunteersSpec = Field(default_factory=VolunteersSpec)
 
     @model_validator(mode="after")
     def _consistent(self) -> "BlockServerSpec":

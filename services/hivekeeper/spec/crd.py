@@ -33,8 +33,6 @@ from hivekeeper.spec.base import SpecModel
 from hivekeeper.spec.manifest import _NAME, SPEC_MODELS, Metadata
 
 CATEGORY = "hivekeeper"
-PHASES = ("Pending", "Running", "Succeeded", "Failed", "Invalid")
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,6 +65,11 @@ class ResourceStatus(SpecModel):
     ready_peers: Optional[str] = Field(None, description="ready pods / desired pods, all roles")
     initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of the backbone peers")
     backbone: Optional[RoleStatus] = None
+    relays: Optional[RoleStatus] = None
+    auth: Optional[RoleStatus] = None
+    volunteer_gateway: Optional[str] = Field(
+        None, description="host:port volunteers pass to `hivekeeper join` (spec.volunteers)")
+    volunteer_relays: list[str] = Field(default_factory=list, description="the relays' public multiaddrs")
 
 
 class SwarmStatus(ResourceStatus):
@@ -74,11 +77,6 @@ class SwarmStatus(ResourceStatus):
     auxiliary: Optional[RoleStatus] = None
     monitor: Optional[RoleStatus] = None
     balancer: Optional[RoleStatus] = None
-    relays: Optional[RoleStatus] = None
-    auth: Optional[RoleStatus] = None
-    volunteer_gateway: Optional[str] = Field(
-        None, description="host:port volunteers pass to `hivekeeper join` (spec.volunteers)")
-    volunteer_relays: list[str] = Field(default_factory=list, description="the relays' public multiaddrs")
     selector: Optional[str] = Field(None, description="label selector of the trainer pods (scale subresource)")
     peers_alive: dict[str, int] = Field(default_factory=dict, description="peers reporting in the DHT, by role")
     global_step: Optional[int] = Field(None, ge=0, description="the collaboration's optimizer step (monitor)")
@@ -121,13 +119,17 @@ class KindInfo:
     status_model: type[BaseModel]
     # The scale subresource: the field that sets how many workers run (`kubectl scale`, HPA).
     spec_replicas_path: str
-    status_replicas_path: str
-    label_selector_path: str
     printer_columns: tuple[PrinterColumn, ...]
+    label_selector_path: str = ".status.selector"
     # Dotted spec paths whose free-form content a schema cannot describe.
     preserve_unknown: frozenset[str] = frozenset()
     # Constraints a model states in a validator, restated for the schema: path -> extra keywords.
     extra_constraints: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def status_replicas_path(self) -> str:
+        """The same role's count in the status (`.spec.trainers.replicas` -> `.status.trainers.replicas`)."""
+        return self.spec_replicas_path.replace(".spec.", ".status.", 1)
 
     @property
     def singular(self) -> str:
@@ -158,8 +160,6 @@ register_kind(KindInfo(
                 "monitor (`hivekeeper up` runs the same manifest on one machine).",
     status_model=SwarmStatus,
     spec_replicas_path=".spec.trainers.replicas",
-    status_replicas_path=".status.trainers.replicas",
-    label_selector_path=".status.selector",
     printer_columns=(
         PHASE,
         READY,
@@ -197,8 +197,6 @@ register_kind(KindInfo(
                 "beam search (`hivekeeper up` runs the same manifest on one machine).",
     status_model=ExpertPoolStatus,
     spec_replicas_path=".spec.servers.replicas",
-    status_replicas_path=".status.servers.replicas",
-    label_selector_path=".status.selector",
     printer_columns=(
         PHASE,
         READY,
@@ -233,8 +231,6 @@ register_kind(KindInfo(
                 "(`hivekeeper up` runs the same manifest on one machine).",
     status_model=BlockServerStatus,
     spec_replicas_path=".spec.servers.replicas",
-    status_replicas_path=".status.servers.replicas",
-    label_selector_path=".status.selector",
     printer_columns=(
         PHASE,
         READY,
@@ -359,7 +355,10 @@ def _convert(node: dict[str, Any], defs: dict[str, Any], path: str, preserve: fr
         out.update(extra.pop(path))
     if nullable:
         out["nullable"] = True
-    text = _describe(description, default)
+    text = description or ""
+    if default is not None and default != "" and isinstance(default, (bool, int, float, str)):
+        shown = str(default).lower() if isinstance(default, bool) else default
+        text = f"{text} (default: {shown})" if text else f"default: {shown}"
     if text:
         out = {"description": text, **out}
     unknown = set(out) - _KEEP - {"x-kubernetes-preserve-unknown-fields"}
@@ -374,14 +373,6 @@ def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
-def _describe(description: str | None, default: Any) -> str:
-    text = description or ""
-    if default is not None and default != "" and isinstance(default, (bool, int, float, str)):
-        shown = str(default).lower() if isinstance(default, bool) else default
-        text = f"{text} (default: {shown})" if text else f"default: {shown}"
-    return text
-
-
 # ---------------------------------------------------------------------------------------------
 # The CRD documents
 
@@ -394,55 +385,29 @@ def crd(kind: str) -> dict[str, Any]:
     name_field = Metadata.model_fields["name"]
     max_name = next(m.max_length for m in name_field.metadata if hasattr(m, "max_length"))
     schema = {
-        "type": "object",
-        "description": info.description,
-        "required": ["spec"],
+        "type": "object", "description": info.description, "required": ["spec"],
         "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string", "maxLength": max_name, "pattern": _NAME.pattern},
-                },
-            },
-            "spec": spec_schema,
-            "status": status_schema,
+            "apiVersion": {"type": "string"}, "kind": {"type": "string"},
+            "metadata": {"type": "object", "properties": {
+                "name": {"type": "string", "maxLength": max_name, "pattern": _NAME.pattern}}},
+            "spec": spec_schema, "status": status_schema,
         },
     }
     version = {
-        "name": API_VERSION,
-        "served": True,
-        "storage": True,
-        "schema": {"openAPIV3Schema": schema},
-        "subresources": {
-            "status": {},
-            "scale": {
-                "specReplicasPath": info.spec_replicas_path,
-                "statusReplicasPath": info.status_replicas_path,
-                "labelSelectorPath": info.label_selector_path,
-            },
-        },
+        "name": API_VERSION, "served": True, "storage": True, "schema": {"openAPIV3Schema": schema},
+        "subresources": {"status": {}, "scale": {"specReplicasPath": info.spec_replicas_path,
+                                                 "statusReplicasPath": info.status_replicas_path,
+                                                 "labelSelectorPath": info.label_selector_path}},
         "additionalPrinterColumns": [c.render() for c in info.printer_columns],
     }
     return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {
-            "name": info.crd_name,
-            "labels": {"app.kubernetes.io/name": "hivekeeper", "app.kubernetes.io/part-of": "hivekeeper"},
-        },
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": info.crd_name,
+                     "labels": {"app.kubernetes.io/name": "hivekeeper", "app.kubernetes.io/part-of": "hivekeeper"}},
         "spec": {
-            "group": API_GROUP,
-            "scope": "Namespaced",
-            "names": {
-                "kind": kind,
-                "listKind": f"{kind}List",
-                "plural": info.plural,
-                "singular": info.singular,
-                "shortNames": list(info.short_names),
-                "categories": [CATEGORY],
-            },
+            "group": API_GROUP, "scope": "Namespaced",
+            "names": {"kind": kind, "listKind": f"{kind}List", "plural": info.plural, "singular": info.singular,
+                      "shortNames": list(info.short_names), "categories": [CATEGORY]},
             "versions": [version],
         },
     }
@@ -456,11 +421,8 @@ def missing_kinds() -> list[str]:
 def crd_files() -> dict[str, str]:
     """File name -> YAML text, one file per registered kind that has a spec model."""
     header = "# Generated by `hivekeeper crds` from the spec models; do not edit by hand.\n"
-    files = {}
-    for kind in sorted(set(KINDS) & set(SPEC_MODELS)):
-        info = KINDS[kind]
-        files[f"{info.crd_name}.yaml"] = header + yaml.safe_dump(crd(kind), sort_keys=False, width=120)
-    return files
+    return {f"{KINDS[kind].crd_name}.yaml": header + yaml.safe_dump(crd(kind), sort_keys=False, width=120)
+            for kind in sorted(set(KINDS) & set(SPEC_MODELS))}
 
 
 def write_crds(out_dir: str | Path) -> list[Path]:

@@ -13,7 +13,9 @@ from typing import Annotated, Literal, Optional
 from pydantic import Field, StrictBool, model_validator
 
 from hivekeeper.spec.base import SpecModel
-from hivekeeper.spec.swarm import BackboneSpec, OptimizerSpec, Resources, StoppingSpec, TaskSpec
+from hivekeeper.spec.common import BackboneSpec, Resources
+from hivekeeper.spec.training import OptimizerSpec, StoppingSpec, TaskSpec
+from hivekeeper.spec.volunteers import VolunteersSpec
 
 DIGITS_PIXELS = 64  # the digits task's 8x8 images: what a transformer trainer splits into tokens
 QUANTITY = r"^[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?$"  # a Kubernetes storage quantity
@@ -137,6 +139,7 @@ class ExpertPoolSpec(SpecModel):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     trainers: ExpertTrainerSpec = Field(default_factory=ExpertTrainerSpec)
     stopping: StoppingSpec = Field(default_factory=lambda: StoppingSpec(target_steps=200))
+    volunteers: VolunteersSpec = Field(default_factory=VolunteersSpec)
 
     @property
     def hosted_experts(self) -> int:

@@ -7,9 +7,9 @@ import argparse
 import logging
 import time
 
-from hivekeeper.swarm.common import load_role_context, setup_logging
 from hivekeeper.swarm.optimizer import make_collaborative_optimizer
 from hivekeeper.swarm.plan_follower import PlanFollower
+from hivekeeper.swarm.role import load_swarm_context
 from hivekeeper.tasks import load_task
 
 log = logging.getLogger("hivekeeper.auxiliary")
@@ -17,8 +17,7 @@ log = logging.getLogger("hivekeeper.auxiliary")
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("auxiliary", args.index)
-    ctx = load_role_context("auxiliary", args)
+    ctx = load_swarm_context("auxiliary", args)
     spec = ctx.spec
     ctx.start_endpoint()
     task = load_task(spec.task.name, spec.task.options, seed=spec.task.seed)

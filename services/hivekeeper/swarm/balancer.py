@@ -28,8 +28,9 @@ from hivekeeper.planning.averaging_lp import (
     throughput_of,
 )
 from hivekeeper.planning.group_size import optimal_group_size
+from hivekeeper.runtime.reports import read_peer_reports
 from hivekeeper.spec.swarm import SwarmSpec
-from hivekeeper.swarm.common import RoleContext, load_role_context, read_peer_reports, setup_logging
+from hivekeeper.swarm.role import SwarmContext, load_swarm_context
 from hivekeeper.swarm.metrics_source import (
     MetricsSource,
     MetricsSourceError,
@@ -38,9 +39,9 @@ from hivekeeper.swarm.metrics_source import (
     ScrapeSource,
     from_report,
 )
+from hivekeeper.hivemind_ext.allreduce import plan_digest
 from hivekeeper.swarm.optimizer import WIRE_BYTES_PER_ELEMENT
 from hivekeeper.swarm.plan_record import PeerAssignment, SignedPlan, load_signing_key, publish_plan
-from hivekeeper.swarm.planned_averaging import plan_digest
 
 log = logging.getLogger("hivekeeper.balancer")
 AVERAGING_ROLES = ("trainer", "auxiliary")
@@ -132,13 +133,12 @@ def _finite(x: float) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("balancer", args.index)
-    ctx = load_role_context("balancer", args)
+    ctx = load_swarm_context("balancer", args)
     return Balancer(ctx).run()
 
 
 class Balancer:
-    def __init__(self, ctx: RoleContext):
+    def __init__(self, ctx: SwarmContext):
         from hivekeeper.tasks import load_task
 
         self.ctx = ctx

@@ -14,10 +14,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from hivemind.utils.crypto import RSAPrivateKey
+
+from hivekeeper.hivemind_ext.allreduce import CountingGradientAverager
+from hivekeeper.hivemind_ext.optimizer import InstrumentedOptimizer
 from hivekeeper.metrics import SwarmMetrics
 from hivekeeper.swarm.merging_peer import MergeRecord, WrapperPeer
-from hivekeeper.swarm.optimizer import (TRACKER_REFRESH, averager_options, chunk_timeout, make_instrumented_classes,
-                                        reset_step_counters)
+from hivekeeper.swarm.optimizer import TRACKER_REFRESH, averager_options, chunk_timeout, reset_step_counters
 
 log = logging.getLogger("hivekeeper.gradient_peer")
 
@@ -30,9 +33,6 @@ class GradientPeer(WrapperPeer):
                  batch_size: int, target_batch_size: int, expected_peers: int = 1,
                  target_group_size: Optional[int] = None, matchmaking_seconds: float = 2.0,
                  timeout_seconds: float = 30.0, on_merge: Optional[Callable[[MergeRecord], None]] = None):
-        from hivemind.utils.crypto import RSAPrivateKey
-
-        InstrumentedOptimizer, CountingGradientAverager = make_instrumented_classes()
         self.model, self.on_merge = model, on_merge
         self.metrics = SwarmMetrics()
         self.optimizer = InstrumentedOptimizer(
@@ -50,7 +50,6 @@ class GradientPeer(WrapperPeer):
         self.local_steps = 0  # batches this peer contributed
         self._epoch = self.optimizer.local_epoch
         self._round_seen: dict[str, Any] = {}
-        self.last_merge: Optional[MergeRecord] = None
 
     @property
     def epoch(self) -> int:
@@ -73,11 +72,7 @@ class GradientPeer(WrapperPeer):
         if not round_ or round_ is self._round_seen:  # caught up by loading a peer's state: no round
             return None
         self._round_seen = round_
-        record = MergeRecord(round_["outcome"], round_["groupSize"], round_["seconds"], self.local_steps)
-        self.last_merge = record
-        if self.on_merge:
-            self.on_merge(record)
-        return record
+        return self._merged(MergeRecord(round_["outcome"], round_["groupSize"], round_["seconds"], self.local_steps))
 
     def shutdown(self) -> None:
         self.optimizer.shutdown()

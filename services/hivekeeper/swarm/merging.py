@@ -24,18 +24,11 @@ so TIES is built from two all-reduce rounds (plain means, weight 1 per peer, n p
 Both vectors of round 2 travel as one all-reduce (one list of tensors). c is an integer, so it
 is recovered exactly as round(n * mean) and the division is by the exact agreement count.
 
-Same group, all or nothing. Both rounds run inside one hivemind step, on the group that
-matchmaking formed (like hivemind's PowerSGD averager, round 2 uses the group id plus a
-suffix): there is no second matchmaking, so round 2's members are round 1's by construction.
-The members' gathered data must agree on the kind of merge, the trim, the tensor layout and a
-digest of the base, or the group is abandoned before any round. hivemind's all-reduce is
-fault tolerant the wrong way for a merge: a reducer that loses a sender averages the rest of
-its part over the senders left, and a peer whose reducer failed keeps its own values there,
-and both still report success. So a merge uses `AllOrNothingRunner`: a reducer that loses a
-sender before it finished aggregates nothing more and fails its remaining results, so that
-every peer still waiting for them sees a failed reducer; any failed part, in either round,
-abandons the merge at that peer. A peer thus ends with either the merge of the whole group
-(every member completed both rounds) or, from `merge`, no result and its replica unchanged.
+Same group, all or nothing (`hivekeeper.hivemind_ext.merging`, the averager that runs a whole
+merge as one hivemind step): both rounds run on the group that matchmaking formed, whose members
+must agree on the kind of merge, the trim, the tensor layout and the base; a sender lost in
+either round voids the merge. A peer thus ends with either the merge of the whole group (every
+member completed both rounds) or, from `merge`, no result and its replica unchanged.
 With `allow_retries` (hivemind's default) a failed attempt looks for a new group until the
 step's timeout, so the survivors of a failure may still merge among themselves.
 
@@ -49,36 +42,19 @@ No compression is allowed: a lossy codec would change the elected signs and the 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
-import ctypes
 import hashlib
-import logging
-import multiprocessing as mp
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
-from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
-from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.load_balancing import load_balance_peers
-from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import CompressionInfo
-from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
-__all__ = ["AllOrNothingRunner", "MergeResult", "MergingAverager", "SimpleMerger", "TiesMerger",
-           "agreeing_offsets", "disjoint_mean", "simple_average", "ties_merge", "trim_offsets"]
+from hivekeeper.hivemind_ext.merging import SIMPLE, TIES, MergingAverager
 
-log = logging.getLogger("hivekeeper.merging")
+__all__ = ["MergeResult", "SimpleMerger", "TiesMerger", "simple_average", "ties_merge", "trim_offsets"]
 
-TIES, SIMPLE = "ties", "simple"
-_ROUND_2 = b".ties-round-2"  # group id suffix of TIES's second all-reduce
-_ATTEMPTS, _ROUNDS_OK, _GROUP_SIZE = range(3)  # fields of the child's report on its last attempt
 
 
 # --- the centralized reference -----------------------------------------------------------------
@@ -144,179 +120,11 @@ def _check_layout(like: Sequence[torch.Tensor], others: Sequence[Sequence[torch.
             raise ValueError(f"tensor shapes differ: expected {shapes}, got {[tuple(t.shape) for t in other]}")
 
 
-# --- the steps of the decentralized merge (run in the averager's process) -------------------------
-
-
-def agreeing_offsets(offsets: Sequence[torch.Tensor], mean_offsets: Sequence[torch.Tensor]
-                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Round 2's inputs: this peer's offsets where they agree with the elected sign
-    sign(mean of offsets) (else 0), and the agreement indicators (1.0 / 0.0)."""
-    masked, indicators = [], []
-    for offset, mean in zip(offsets, mean_offsets):
-        agree = (torch.sign(offset) == torch.sign(mean)) & (offset != 0)
-        masked.append(torch.where(agree, offset, torch.zeros_like(offset)))
-        indicators.append(agree.to(offset.dtype))
-    return masked, indicators
-
-
-def disjoint_mean(mean_masked: Sequence[torch.Tensor], mean_indicators: Sequence[torch.Tensor],
-                   group_size: int) -> list[torch.Tensor]:
-    """(sum of agreeing offsets) / (their count), from their means over `group_size` peers."""
-    merged = []
-    for total_over_n, count_over_n in zip(mean_masked, mean_indicators):
-        count = torch.round(count_over_n * group_size)  # an integer, recovered exactly
-        offset = total_over_n * group_size / count.clamp(min=1)
-        merged.append(torch.where(count > 0, offset, torch.zeros_like(offset)))
-    return merged
-
-
 def _digest(tensors: Sequence[torch.Tensor]) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for tensor in tensors:
         digest.update(tensor.detach().to(torch.float32).contiguous().reshape(-1).numpy().tobytes())
     return digest.hexdigest()
-
-
-# --- all-or-nothing all-reduce -------------------------------------------------------------------
-
-
-class AllOrNothingRunner(AllReduceRunner):
-    """hivemind's butterfly all-reduce, except that a reducer that loses a sender before it has
-    aggregated every part stops: the part in progress and all later ones fail (the remaining
-    senders get an error instead of averages over fewer peers), and so does this peer's round.
-    Parts finished before the loss included every sender, so whatever a peer receives in full
-    is the mean over the whole group."""
-
-    voided = False
-
-    async def _ban_sender(self, peer_id) -> None:
-        reducer = self.tensor_part_reducer
-        if not reducer.finished.is_set() and peer_id not in self.banned_senders:
-            self.voided = True
-            failure = AllreduceException(f"sender {peer_id} failed mid-round: the merge round is void")
-            pending = reducer.current_part_future
-            if not pending.done():  # fail it before on_sender_failed could complete it without the sender
-                pending.set_exception(failure)
-                pending.exception()  # retrieved here; waiters still get it
-            self.finalize(exception=failure)
-            if self._future.done() and not self._future.cancelled():
-                self._future.exception()
-        await super()._ban_sender(peer_id)
-
-
-class MergingAverager(DecentralizedAverager):
-    """A DecentralizedAverager whose step is one whole merge (see the module docstring).
-
-    Its tensors carry the input: TIES offsets (`kind="ties"`) or the replica itself
-    (`kind="simple"`). A step that succeeds replaces them with the merged offsets (or the
-    mean); a failed attempt leaves them as they were, so hivemind's retries start clean.
-    `last_attempt` tells how far the last attempt got. hivemind names RPC handlers after the
-    servicer's class: mergers meet only averagers of this class name on the same prefix (a
-    subclass must keep the name to join them)."""
-
-    runner_class: type[AllReduceRunner] = AllOrNothingRunner
-
-    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, kind: str, **kwargs: Any):
-        if kind not in (TIES, SIMPLE):
-            raise ValueError(f"kind must be {TIES!r} or {SIMPLE!r}, got {kind!r}")
-        if kwargs.get("compression") is not None or kwargs.get("auxiliary"):
-            raise ValueError("merges must be exact: no compression, and no auxiliary peers (they send nothing)")
-        self.kind = kind
-        self._report = mp.get_context("fork").Array(ctypes.c_long, 3)  # before the fork in super().__init__
-        self._shared_state: Optional[tuple[dict[str, Any], list[torch.Tensor]]] = None
-        super().__init__(averaged_tensors, dht, **kwargs)
-
-    def share_state(self, metadata: dict[str, Any], tensors: Sequence[torch.Tensor]) -> None:
-        """What other peers' `load_state_from_peers` downloads from this one (the averaged
-        tensors are only the merge's working buffer, so they are never shared)."""
-        self._shared_state = (dict(metadata), [tensor.detach().clone() for tensor in tensors])
-
-    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Sequence[Any]]:
-        if self._shared_state is None:
-            raise RuntimeError("no merged state to share yet")
-        metadata, tensors = self._shared_state
-        return metadata, tensors, [CompressionInfo.from_tensor(tensor) for tensor in tensors]
-
-    @property
-    def last_attempt(self) -> tuple[int, int, int]:
-        """(attempts so far, rounds that completed in the last one, that attempt's group size)."""
-        with self._report.get_lock():
-            return tuple(self._report)  # type: ignore[return-value]
-
-    def _set_report(self, rounds_ok: Optional[int] = None, group_size: Optional[int] = None, new: bool = False):
-        with self._report.get_lock():
-            if new:
-                self._report[_ATTEMPTS] += 1
-                self._report[_ROUNDS_OK] = self._report[_GROUP_SIZE] = 0
-            if rounds_ok is not None:
-                self._report[_ROUNDS_OK] = rounds_ok
-            if group_size is not None:
-                self._report[_GROUP_SIZE] = group_size
-
-    @contextlib.contextmanager
-    def _register_allreduce_group(self, group_info: GroupInfo):
-        """Registers both rounds' group ids up front, so that a groupmate that starts round 2
-        first waits for our runner; leftovers are cancelled so that such a groupmate fails fast."""
-        group_ids = [group_info.group_id] + ([group_info.group_id + _ROUND_2] if self.kind == TIES else [])
-        try:
-            for group_id in group_ids:
-                self._running_groups[group_id] = asyncio.Future()
-            self._pending_groups_registered.set()
-            yield
-        finally:
-            for group_id in group_ids:
-                future = self._running_groups.pop(group_id, None)
-                if future is not None and not future.done():
-                    future.cancel()
-            self._pending_groups_registered.set()
-
-    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
-        self._set_report(new=True, group_size=len(group_info.peer_ids))
-        try:
-            bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
-            gathered = [self.serializer.loads(data) for data in user_bytes]
-            if any(mode == AveragingMode.AUX.value for mode in mode_ids):
-                raise MatchmakingException("an auxiliary peer joined a merge group")
-            if any(entry != gathered[0] for entry in gathered) or not isinstance(gathered[0], dict):
-                raise MatchmakingException(f"members disagree on the merge (kind, trim, layout or base): {gathered}")
-            download = [bw if mode != AveragingMode.CLIENT.value else 0.0 for bw, mode in zip(bandwidths, mode_ids)]
-            fractions = await asyncio.get_event_loop().run_in_executor(
-                None, load_balance_peers, self.total_size, download, min_vector_size)
-            kwargs.pop("tensor_infos", None)  # round 2's tensors differ; no compression anyway
-            kwargs["weight"] = 1.0  # plain means: the counts in round 2 rely on it
-            async with enter_asynchronously(self.get_tensors()) as inputs:
-                result = [tensor.clone() for tensor in inputs]
-                await self._run_round(result, group_info, group_info.group_id, fractions, **kwargs)
-                self._set_report(rounds_ok=1)
-                if self.kind == TIES:  # result holds the mean offsets: their signs are the elected ones
-                    masked, indicators = agreeing_offsets(inputs, result)
-                    await self._run_round(masked + indicators, group_info, group_info.group_id + _ROUND_2,
-                                          fractions, **kwargs)  # in place: now their means
-                    self._set_report(rounds_ok=2)
-                    result = disjoint_mean(masked, indicators, len(group_info.peer_ids))
-                for tensor, merged in zip(inputs, result):
-                    tensor.copy_(merged)
-            return {"peers": [str(peer) for peer in group_info.peer_ids], "group": group_info.group_id.hex()}
-        except MatchmakingException:
-            raise
-        except BaseException as e:
-            if isinstance(e, Exception):
-                log.debug("merge attempt failed: %r", e)
-            raise MatchmakingException(f"merge abandoned: {e!r}") from e
-
-    async def _run_round(self, tensors: list[torch.Tensor], group_info: GroupInfo, group_id: bytes,
-                         peer_fractions: Sequence[int], **kwargs: Any) -> None:
-        """One all-reduce of `tensors` in place, over every member of the group, or an exception."""
-        runner = self.runner_class(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
-                                   group_id=group_id, ordered_peer_ids=group_info.peer_ids,
-                                   peer_fractions=peer_fractions, **kwargs)
-        self._running_groups[group_id].set_result(runner)
-        async for tensor, update in azip(as_aiter(*tensors), runner):
-            tensor.add_(update)
-        failed = runner.tensor_part_container.failed_size
-        if failed or getattr(runner, "voided", False):
-            raise AllreduceException(f"round incomplete: {failed} elements never averaged, "
-                                     f"senders lost: {sorted(map(str, runner.banned_senders))}")
 
 
 # --- the mergers ------------------------------------------------------------------------------
@@ -374,7 +182,7 @@ class _Merger:
             with self.averager.get_tensors() as tensors:
                 for tensor, value in zip(tensors, inputs):
                     tensor.copy_(value)
-            attempts_before = self.averager.last_attempt[_ATTEMPTS]
+            attempts_before = self.averager.last_attempt[0]
             error, peers, group = None, (), None
             try:
                 control = self.averager.step(gather=gather, weight=1.0, timeout=timeout,

@@ -125,6 +125,8 @@ class WrapperPeer(abc.ABC):
     A subclass takes (model, optimizer, dht, prefix, **options), and its `shutdown` calls this one."""
 
     _own_dht: Any = None  # set by `connect`: `shutdown` stops it too
+    last_merge: Optional[MergeRecord] = None
+    on_merge: Optional[Callable[[MergeRecord], None]] = None
 
     @classmethod
     def connect(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, initial_peers: Sequence[str],
@@ -150,6 +152,13 @@ class WrapperPeer(abc.ABC):
     @abc.abstractmethod
     def join(self) -> bool:
         """Start from the swarm's latest state; False when there is none yet."""
+
+    def _merged(self, record: MergeRecord) -> MergeRecord:
+        """Keep and report one merge (or averaging round)."""
+        self.last_merge = record
+        if self.on_merge:
+            self.on_merge(record)
+        return record
 
     def shutdown(self) -> None:
         if self._own_dht is not None:
@@ -203,7 +212,6 @@ class MergingPeer(WrapperPeer):
         self.merges = self.shifts = 0
         self.shifter = ModelShifter(dht, prefix, rendezvous_seconds=matchmaking_seconds,
                                     timeout=timeout_seconds) if shift_every else None
-        self.last_merge: Optional[MergeRecord] = None
         options = dict(target_group_size=target_group_size, min_matchmaking_time=matchmaking_seconds,
                        request_timeout=min(3.0, matchmaking_seconds / 2), allreduce_timeout=timeout_seconds)
         merger_prefix = f"{prefix}_merge"
@@ -265,12 +273,8 @@ class MergingPeer(WrapperPeer):
             self._share()
         elif self.mode == "ties":
             self._adopt_base()
-        record = MergeRecord("success" if result.ok else "failure", result.group_size if result.ok else 0,
-                             time.perf_counter() - started, self.local_steps, result.error)
-        self.last_merge = record
-        if self.on_merge:
-            self.on_merge(record)
-        return record
+        return self._merged(MergeRecord("success" if result.ok else "failure", result.group_size if result.ok else 0,
+                                        time.perf_counter() - started, self.local_steps, result.error))
 
     def _adopt_base(self) -> None:
         state = self._download()
@@ -322,7 +326,7 @@ def load_merged_state(dht: Any, prefix: str, model: torch.nn.Module,
     """Download the latest merged weights into `model` (for a monitor: it takes no part in
     merges); `optimizer` (or None) must be what the trainers merge, for the layout. Returns
     the state's metadata (step, merges), or None when no peer shares one."""
-    from hivekeeper.swarm.merging import SIMPLE, MergingAverager
+    from hivekeeper.hivemind_ext.merging import SIMPLE, MergingAverager
 
     if optimizer is not None:
         init_optimizer_state(model, optimizer)

@@ -12,16 +12,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from hivekeeper.swarm.common import RoleContext
 from hivekeeper.swarm.merging_peer import MergeRecord, MergingPeer
-from hivekeeper.swarm.optimizer import scheduler_factory, torch_optimizer_factory
-from hivekeeper.swarm.trainer import recent_rate
+from hivekeeper.swarm.role import SwarmContext
+from hivekeeper.training.loop import RateWindow, ReportCadence
+from hivekeeper.training.optimizers import scheduler_factory, torch_optimizer_factory
 
 log = logging.getLogger("hivekeeper.trainer")
-REPORT_INTERVAL = 1.0
 
 
-def train_merging(ctx: RoleContext, task, model: torch.nn.Module, dht, batch_size: int, device,
+def train_merging(ctx: SwarmContext, task, model: torch.nn.Module, dht, batch_size: int, device,
                   batches) -> None:
     spec, metrics = ctx.spec, ctx.metrics
     averaging = spec.averaging
@@ -53,17 +52,14 @@ def train_merging(ctx: RoleContext, task, model: torch.nn.Module, dht, batch_siz
         ctx.endpoint.ready.set()
         losses: list[float] = []
         interval_loss: dict[str, Any] = {}
-        window: list[tuple[float, int]] = []
-        total_samples, last_report = 0, 0.0
+        window, cadence = RateWindow(), ReportCadence(ctx)
+        total_samples = 0
         model.train()
         while not ctx.stop.is_set():
-            if time.monotonic() - last_report >= REPORT_INTERVAL:
-                last_report = time.monotonic()
-                stop = ctx.stop_requested(dht)
-                if stop is not None:
-                    log.info("stop requested by the monitor", extra={"fields": {"stop": stop}})
-                    break
+            if cadence.due(dht):
                 _report(ctx, dht, peer, interval_loss, total_samples, window)
+            if cadence.stopped:
+                break
             batch = task.to_device(task.train_batch(next(batches)), device)
             loss = task.loss(model, batch)
             loss.backward()
@@ -79,7 +75,7 @@ def train_merging(ctx: RoleContext, task, model: torch.nn.Module, dht, batch_siz
                 losses.clear()
             metrics.samples.inc(batch_size)
             total_samples += batch_size
-            window.append((time.monotonic(), batch_size))
+            window.add(batch_size)
             metrics.local_step.set(peer.local_steps)
             metrics.global_step.set(peer.local_steps)
             if ctx.args.step_delay:
@@ -89,9 +85,9 @@ def train_merging(ctx: RoleContext, task, model: torch.nn.Module, dht, batch_siz
     log.info("merging trainer stopped", extra={"fields": {"step": peer.local_steps, "merges": peer.merges}})
 
 
-def _report(ctx: RoleContext, dht, peer: MergingPeer, interval_loss: dict[str, Any], total_samples: int,
-            window: list[tuple[float, int]]) -> None:
-    rate = recent_rate(window)
+def _report(ctx: SwarmContext, dht, peer: MergingPeer, interval_loss: dict[str, Any], total_samples: int,
+            window: RateWindow) -> None:
+    rate = window.rate()
     ctx.metrics.samples_per_second.set(rate)
     last = peer.last_merge
     report = dict(

@@ -12,16 +12,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from hivekeeper.swarm.checkpoint import prune_checkpoints, save_checkpoint
-from hivekeeper.swarm.common import (
-    STOP_KEY,
-    RoleContext,
-    load_role_context,
-    read_peer_reports,
-    setup_logging,
-)
-from hivekeeper.swarm.optimizer import scheduler_factory, torch_optimizer_factory
+from hivekeeper.runtime.reports import STOP_KEY, read_peer_reports
+from hivekeeper.swarm.role import SwarmContext, load_swarm_context
 from hivekeeper.tasks import load_task
+from hivekeeper.training.checkpoint import prune_checkpoints, save_checkpoint
+from hivekeeper.training.optimizers import scheduler_factory, torch_optimizer_factory
 
 log = logging.getLogger("hivekeeper.monitor")
 POLL_SECONDS = 1.0
@@ -29,13 +24,12 @@ POLL_SECONDS = 1.0
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("monitor", args.index)
-    ctx = load_role_context("monitor", args)
+    ctx = load_swarm_context("monitor", args)
     return Monitor(ctx).run()
 
 
 class Monitor:
-    def __init__(self, ctx: RoleContext):
+    def __init__(self, ctx: SwarmContext):
         self.ctx = ctx
         spec = ctx.spec
         self.run_dir = Path(ctx.args.run_dir)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from hivemind.utils.timed_storage import get_dht_time
+from hivemind.utils import get_dht_time
 
 from hivekeeper.metrics import SwarmMetrics
-from hivekeeper.swarm.bandwidth import BandwidthEstimate, Rates, peer_ids_of, probe
+from hivekeeper.runtime.bandwidth import BandwidthEstimate, Rates, peer_ids_of, probe
 from hivekeeper.swarm.plan_record import PlanRecordError, SignedPlan, read_plan
 
 log = logging.getLogger("hivekeeper.plan")

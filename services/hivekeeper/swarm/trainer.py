@@ -14,24 +14,15 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from hivekeeper.swarm.common import RoleContext, load_role_context, setup_logging
+from hivekeeper.swarm.merging_trainer import train_merging
 from hivekeeper.swarm.optimizer import make_collaborative_optimizer
 from hivekeeper.swarm.plan_follower import PlanFollower
+from hivekeeper.swarm.role import SwarmContext, load_swarm_context
 from hivekeeper.tasks import load_task
+from hivekeeper.training.loop import RateWindow, ReportCadence, index_stream, peer_seed
 
 log = logging.getLogger("hivekeeper.trainer")
-REPORT_INTERVAL = 1.0
 AGGREGATOR_POLL = 0.05  # while the plan has this peer only aggregate
-
-def index_stream(train_size: int, batch_size: int, seed: int) -> Iterator[list[int]]:
-    """Shuffled passes over the data, a fresh permutation each pass; the last partial batch of a
-    pass is dropped so every batch has the same size (hivemind weighs batches by count)."""
-    rng = np.random.default_rng(seed)
-    while True:
-        order = rng.permutation(train_size)
-        for start in range(0, train_size - batch_size + 1, batch_size):
-            yield order[start : start + batch_size].tolist()
-
 
 class Trace:
     """What a trainer did, for checking the collaboration against single-process training:
@@ -73,12 +64,11 @@ class Trace:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("trainer", args.index)
-    ctx = load_role_context("trainer", args)
+    ctx = load_swarm_context("trainer", args)
     return train(ctx)
 
 
-def train(ctx: RoleContext) -> int:
+def train(ctx: SwarmContext) -> int:
     spec, args = ctx.spec, ctx.args
     batch_size = args.batch_size or spec.trainers.batch_size
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -87,8 +77,6 @@ def train(ctx: RoleContext) -> int:
     model = task.build_model().to(device)
     dht = ctx.make_dht(client_mode=spec.trainers.client_mode)
     if spec.averaging.merges_weights:
-        from hivekeeper.swarm.merging_trainer import train_merging
-
         try:
             train_merging(ctx, task, model, dht, batch_size, device, _batches(ctx, task, batch_size))
         finally:
@@ -112,33 +100,29 @@ def train(ctx: RoleContext) -> int:
     return 0
 
 
-def _batches(ctx: RoleContext, task, batch_size: int) -> Iterator[list[int]]:
-    return index_stream(task.train_size, batch_size, seed=ctx.spec.task.seed * 10_007 + ctx.args.index + 1)
+def _batches(ctx: SwarmContext, task, batch_size: int) -> Iterator[list[int]]:
+    return index_stream(task.train_size, batch_size, seed=peer_seed(ctx.spec.task.seed, ctx.args.index))
 
 
-def _loop(ctx: RoleContext, dht, opt, follower: PlanFollower, task, model, batch_size: int, device,
+def _loop(ctx: SwarmContext, dht, opt, follower: PlanFollower, task, model, batch_size: int, device,
           trace: Trace) -> None:
     metrics = ctx.metrics
     batches = _batches(ctx, task, batch_size)
     epoch_losses: list[float] = []  # losses of this peer's batches in the current step
     step_loss: dict[str, Any] = {}  # mean loss of the latest step this peer completed
     total_samples = 0
-    samples_window: list[tuple[float, int]] = []
-    last_report = 0.0
+    window = RateWindow()
+    cadence = ReportCadence(ctx)
     last_round_seen: dict[str, Any] = {}
     model.train()
     while not ctx.stop.is_set():
-        now = time.monotonic()
-        if now - last_report >= REPORT_INTERVAL:
-            last_report = now
-            stop = ctx.stop_requested(dht)
-            if stop is not None:
-                log.info("stop requested by the monitor", extra={"fields": {"stop": stop}})
-                break
+        if cadence.due(dht):
             follower.observe_rounds()
             follower.poll()
             opt.set_computes_gradients(follower.computes_gradients)
-            _report(ctx, dht, opt, follower, step_loss, total_samples, samples_window)
+            _report(ctx, dht, opt, follower, step_loss, total_samples, window)
+        if cadence.stopped:
+            break
 
         if opt.auxiliary:  # the plan has this peer aggregate only; it joins rounds without data
             opt.step()
@@ -170,29 +154,21 @@ def _loop(ctx: RoleContext, dht, opt, follower: PlanFollower, task, model, batch
             epoch_losses.clear()
         metrics.samples.inc(batch_size)
         total_samples += batch_size
-        samples_window.append((time.monotonic(), batch_size))
+        window.add(batch_size)
         metrics.local_step.set(opt.local_epoch)
         metrics.global_step.set(opt.tracker.global_epoch)
         if ctx.args.step_delay:
             time.sleep(ctx.args.step_delay)
 
 
-def recent_rate(window: list[tuple[float, int]], seconds: float = 10.0) -> float:
-    """Samples/s over the last `seconds` of (time, samples) records; drops older records."""
-    horizon = time.monotonic() - seconds
-    window[:] = [(t, n) for t, n in window if t >= horizon]
-    span = (window[-1][0] - window[0][0]) if len(window) > 1 else 0.0
-    return sum(n for _, n in window[1:]) / span if span > 0 else 0.0
-
-
-def _report(ctx: RoleContext, dht, opt, follower: PlanFollower, step_loss: dict[str, Any], total_samples: int,
-            samples_window: list[tuple[float, int]]) -> None:
+def _report(ctx: SwarmContext, dht, opt, follower: PlanFollower, step_loss: dict[str, Any], total_samples: int,
+            window: RateWindow) -> None:
     computing = not opt.auxiliary
     last_rate = ctx.status.get("samplesPerSecond", 0.0)
     if computing:
         # no batch in the window means the step was blocked in an averaging round (or loading
         # state), not that this peer stopped computing: a 0 would drop it from the balancer's plan
-        rate = recent_rate(samples_window) or last_rate
+        rate = window.rate() or last_rate
         ctx.metrics.samples_per_second.set(rate)
     else:  # an aggregator keeps its last rate: the balancer needs it to plan it back in
         rate = last_rate

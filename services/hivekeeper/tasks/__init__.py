@@ -1,14 +1,26 @@
-"""Built-in training tasks, and loading a user's task from 'module:factory'."""
+"""Built-in training tasks, and loading a user's task from 'module:factory'. Checking a task's
+options imports no torch (`options.py`); building a task does."""
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from pydantic import ValidationError
 
 from hivekeeper.errors import format_validation_error
-from hivekeeper.tasks.base import Task, TaskOptions
+from hivekeeper.tasks.options import BUILTIN_OPTIONS, TaskOptions
+
+if TYPE_CHECKING:
+    from hivekeeper.tasks.base import Task
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Task":  # imports torch: only when asked for
+        from hivekeeper.tasks.base import Task
+
+        return Task
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _digits() -> type[Task]:
@@ -33,9 +45,9 @@ def _is_factory_path(name: str) -> bool:
 
 def check_task_options(name: str, options: Mapping[str, Any]) -> str | None:
     """None if the task name and options are valid, else 'field: message' (relative to spec.task)."""
-    if name in BUILTIN_TASKS:
+    if name in BUILTIN_OPTIONS:
         try:
-            BUILTIN_TASKS[name]().options_model.model_validate(dict(options))
+            BUILTIN_OPTIONS[name].model_validate(dict(options))
         except ValidationError as e:
             return "options." + format_validation_error(e)
         return None
@@ -50,6 +62,8 @@ def load_task(name: str, options: Mapping[str, Any] | None = None, seed: int = 0
     module_name, _, attr = name.partition(":")
     factory = getattr(importlib.import_module(module_name), attr)
     task = factory(options or {}, seed=seed)
+    from hivekeeper.tasks.base import Task
+
     if not isinstance(task, Task):
         raise TypeError(f"{name} returned {type(task).__name__}, expected a hivekeeper.tasks.Task")
     return task

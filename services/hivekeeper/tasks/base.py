@@ -9,14 +9,8 @@ from abc import ABC, abstractmethod
 from typing import Any, Mapping
 
 import torch
-from pydantic import BaseModel, ConfigDict
-from pydantic.alias_generators import to_camel
 
-
-class TaskOptions(BaseModel):
-    """Base of each task's options (camelCase in manifests, unknown keys rejected)."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+from hivekeeper.tasks.options import TaskOptions
 
 
 class Task(ABC):

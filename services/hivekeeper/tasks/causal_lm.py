@@ -9,25 +9,13 @@ import hashlib
 import math
 import sysconfig
 from pathlib import Path
-from typing import Literal
 
 import torch
-from pydantic import Field
 
-from hivekeeper.tasks.base import Task, TaskOptions
+from hivekeeper.tasks.base import Task
+from hivekeeper.tasks.options import CausalLMOptions
 
 VOCAB_SIZE = 256
-
-
-class CausalLMOptions(TaskOptions):
-    architecture: Literal["llama", "gpt2"] = "llama"
-    hidden_size: int = Field(128, ge=16, le=8192)
-    num_layers: int = Field(4, ge=1, le=128)
-    num_heads: int = Field(4, ge=1, le=128)
-    sequence_length: int = Field(128, ge=8, le=8192)
-    max_files: int = Field(300, ge=2, description="stdlib files to read (sorted by path)")
-    held_out_fraction: float = Field(0.05, gt=0, lt=1)
-    eval_sequences: int = Field(64, ge=1)
 
 
 def stdlib_source_files(limit: int) -> list[Path]:

@@ -5,18 +5,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-from hivekeeper.tasks.base import Task, TaskOptions
-
-
-class DigitsOptions(TaskOptions):
-    hidden_size: int = Field(256, ge=8, le=8192)
-    num_layers: int = Field(2, ge=1, le=8)
-    dropout: float = Field(0.1, ge=0, lt=1)
-    test_fraction: float = Field(0.2, gt=0, lt=1)
+from hivekeeper.tasks.base import Task
+from hivekeeper.tasks.options import DigitsOptions
 
 
 class DigitsTask(Task):

@@ -123,7 +123,7 @@ async def _first_answer(p2p, checkers: Sequence[str], maddrs: Sequence[str]) -> 
 async def _relayed_path(P2P, host: str, port: int, relays: Sequence[str]) -> tuple[Optional[str], str]:
     """Reserve a slot at the relays as the role will, wait for our /p2p-circuit address, and have
     the relay dial us there: (that address, "") or (None, why not)."""
-    from hivekeeper.volunteer.p2pd_flags import use_static_relays
+    from hivekeeper.hivemind_ext.p2pd import use_static_relays
 
     use_static_relays()
     async with _daemon(P2P, host, port, use_auto_relay=True, trusted_relays=list(relays),

@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,15 +23,16 @@ from typing import Any, Optional
 from rich.console import Console
 
 from hivekeeper.errors import UserError
+from hivekeeper.kinds import KIND_MODULES, runtime
 from hivekeeper.local.identity import ensure_identity
 from hivekeeper.local.network import free_port
 from hivekeeper.local.progress import ProgressView, fetch_status
 from hivekeeper.local.supervisor import Supervisor
-from hivekeeper.topology import METRICS, Role
+from hivekeeper.topology import METRICS, VOLUNTEER_INDEX, Role
 from hivekeeper.volunteer.connectivity import CLIENT, RELAY, Connectivity, Unreachable, detect
 
-ROLE_BY_KIND = {"Swarm": "trainer", "BlockServer": "block-server", "ExpertPool": "expert-server"}
 SERVES_OTHERS = ("block-server", "expert-server")  # useless unless others can dial them
+REFUSED = 2  # a role's exit code for input it cannot work with (an ExpertPool with no free cell): no restart
 POLL_SECONDS = 0.5
 
 
@@ -89,7 +91,7 @@ def join(options: JoinOptions, console: Console | None = None) -> int:
     swarm = _grant(options.gateway, invite)
     timeline.mark("granted")
     kind, name = swarm.get("kind", "Swarm"), swarm.get("name", "swarm")
-    role_name = ROLE_BY_KIND.get(kind)
+    role_name = runtime(kind).volunteer_role if kind in KIND_MODULES else None
     if role_name is None:
         raise UserError(f"the gateway offers a {kind}, which volunteers cannot join")
     manifest_path = _write_manifest(run_dir, swarm)
@@ -126,7 +128,7 @@ def volunteer_role(component: str, options: JoinOptions, manifest_path: Path, po
     """`hivekeeper run COMPONENT` as a volunteer: its own index (a name apart from the swarm's
     own replicas, a data order of its own), the mode's flags, the gateway's token and, when the
     swarm tells it, whose averaging plan to follow."""
-    index = 1000 + zlib.crc32(peer_id.encode()) % 9000
+    index = VOLUNTEER_INDEX + zlib.crc32(peer_id.encode()) % 9000
     ports = {METRICS: free_port(_local(options.host)), "p2p": port}
     args = [component, "--manifest", str(manifest_path), "--index", str(index), "--host", options.host,
             "--p2p-port", str(port), "--metrics-port", str(ports[METRICS]), "--run-dir", str(options.run_dir),
@@ -162,8 +164,13 @@ def _run(options: JoinOptions, role: Role, peer_id: str, connectivity: Connectiv
                 if supervisor.poll():
                     state = "completed"
                     break
+                if supervisor.children[0].exit_codes[-1:] == [REFUSED]:
+                    state = "refused"
+                    break
                 status = fetch_status(role.ports[METRICS], host=_local(options.host)) or status
                 _observe(status, timeline, watchdog)
+                if "ready" not in timeline.record["seconds"] and _ready(_local(options.host), role.ports[METRICS]):
+                    timeline.mark("ready")  # a server serves from here on
                 if watchdog is not None and watchdog.restart_due():
                     watchdog_restarts += 1
                     timeline.update(watchdogRestarts=watchdog_restarts)
@@ -180,23 +187,35 @@ def _run(options: JoinOptions, role: Role, peer_id: str, connectivity: Connectiv
     child = supervisor.children[0]
     summary = {**timeline.record, "state": state, "restarts": supervisor.restarts,
                "watchdogRestarts": watchdog_restarts, "samples": (status or {}).get("samples"),
-               "lastRound": (status or {}).get("lastRound"), "exitCodes": child.exit_codes,
+               "lastRound": (status or {}).get("lastRound"), "served": (status or {}).get("served"),
+               "exitCodes": child.exit_codes,
                "log": str(child.log_path), "wallSeconds": round(time.time() - timeline.started, 2)}
     (options.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    console.print(f"{state}: {summary['samples'] or 0} samples contributed, first gradient after "
-                  f"{timeline.record['seconds'].get('firstGradient', '-')} s -> {options.run_dir / 'summary.json'}")
-    return {"completed": 0, "interrupted": 130}.get(state, 1)
+    seconds = timeline.record["seconds"]
+    if role.component in SERVES_OTHERS:
+        done = f"{summary['served'] or 0} requests served, serving after {seconds.get('ready', '-')} s"
+    else:
+        done = (f"{summary['samples'] or 0} samples contributed, first gradient after "
+                f"{seconds.get('firstGradient', '-')} s")
+    if state == "refused":
+        done = f"the {role.component} refused to run; see {child.log_path}"
+    console.print(f"{state}: {done} -> {options.run_dir / 'summary.json'}")
+    return {"completed": 0, "interrupted": 130, "refused": REFUSED}.get(state, 1)
 
 
 def _observe(status: Optional[dict[str, Any]], timeline: Timeline, watchdog) -> None:
     """Milestones: the role's first report (it joined the DHT and loaded the swarm's state), its
     first batch accumulated and published in its report (a trainer reports every second: the
-    mark trails the batch by at most that and a poll), its first successful averaging round."""
+    mark trails the batch by at most that and a poll), its first successful averaging round; a
+    server's first request answered (`served` in its status, refreshed every few seconds). The
+    role's readiness (`ready`: a server serves from then on) is marked by the caller."""
     if status is None:
         return
     timeline.mark("firstReport")
     if status.get("samples"):
         timeline.mark("firstGradient")
+    if status.get("served"):  # a server's first request answered
+        timeline.mark("firstServed")
     if status.get("lastRound", {}) and status["lastRound"].get("outcome") == "success":
         timeline.mark("firstRound")
     if watchdog is not None and watchdog.reachable_since is not None:
@@ -204,6 +223,14 @@ def _observe(status: Optional[dict[str, Any]], timeline: Timeline, watchdog) -> 
         if timeline.record.get("relayedReachableSince") != since:  # (re)gained: the relay dialed us back
             timeline.mark("relayedReachable")
             timeline.update(relayedReachableSince=since)
+
+
+def _ready(host: str, port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/readyz", timeout=1.0) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
 
 
 def _as_progress(status: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:

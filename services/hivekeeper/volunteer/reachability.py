@@ -25,6 +25,8 @@ from typing import Any, Optional, Sequence, Union
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from hivekeeper.hivemind_ext.p2pd import dial, hang_up
+
 log = logging.getLogger("hivekeeper.reachability")
 
 HANDLER = "hivekeeper.reachability.v1"
@@ -105,7 +107,7 @@ class ReachabilityService:
             probe = self._relay_probe
         reachable, error = await _dial(probe, peer_id, maddrs, self.dial_timeout)
         with suppress(Exception):
-            await probe._client.disconnect(peer_id)
+            await hang_up(probe, peer_id)
         if not reachable:
             async with self._relay_probe_lock:
                 if self._relay_probe is probe:
@@ -125,8 +127,7 @@ async def _probe_daemon() -> P2P:
 
 async def _dial(probe: P2P, peer_id: PeerID, maddrs: Sequence["WireMaddr"], timeout: float) -> tuple[bool, Optional[str]]:
     try:
-        # _client: hivemind's P2P has no public connect(); Petals' check does the same
-        await asyncio.wait_for(probe._client.connect(peer_id, list(maddrs)), timeout)
+        await asyncio.wait_for(dial(probe, peer_id, maddrs), timeout)
         return True, None
     except asyncio.TimeoutError:
         return False, f"no answer in {timeout}s"
@@ -167,7 +168,7 @@ async def connect(p2p: P2P, maddr: str, timeout: float = DIAL_TIMEOUT) -> PeerID
     """Open a connection to the peer at `maddr` (which must end in /p2p/ID); its peer ID."""
     address, _, peer = maddr.rpartition("/p2p/")
     peer_id = PeerID.from_base58(peer)
-    await asyncio.wait_for(p2p._client.connect(peer_id, [Multiaddr(address)]), timeout)
+    await asyncio.wait_for(dial(p2p, peer_id, [Multiaddr(address)]), timeout)
     return peer_id
 
 

@@ -10,14 +10,13 @@ import logging
 from collections import Counter
 from typing import Any
 
-from hivekeeper.spec import load_manifest
-from hivekeeper.swarm.bandwidth import serve_probes
-from hivekeeper.swarm.common import RoleContext, install_signal_handlers, read_peer_reports, setup_logging
+from hivekeeper.runtime.bandwidth import serve_probes
+from hivekeeper.runtime.lifecycle import load_context
+from hivekeeper.runtime.reports import read_peer_reports
 from hivekeeper.volunteer.metrics import RelayMetrics
 from hivekeeper.volunteer.reachability import ReachabilityService
 
 log = logging.getLogger("hivekeeper.relay")
-ROLES = ("backbone", "trainer", "auxiliary", "monitor", "balancer", "relay")
 _service: ReachabilityService | None = None  # in the DHT's process
 
 
@@ -40,11 +39,8 @@ async def _snapshot(_dht, node) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("relay", args.index)
-    # any kind: a relay does not care what the swarm computes
-    ctx = RoleContext(role="relay", args=args, manifest=load_manifest(args.manifest), metrics=RelayMetrics())
-    install_signal_handlers(ctx.stop)
-    metrics: RelayMetrics = ctx.metrics  # type: ignore[assignment]
+    ctx = load_context("relay", args, None, RelayMetrics())  # any kind: a relay does not care what peers compute
+    metrics: RelayMetrics = ctx.metrics
     ctx.start_endpoint()
     # relay service on (the default); AutoNAT cannot vouch for private or NATed cluster addresses
     # and the relay service starts only on a public node, so the relay declares itself public
@@ -54,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     maddrs = [str(a) for a in dht.get_visible_maddrs()]
     log.info("relay up", extra={"fields": {"peer_id": str(dht.peer_id), "maddrs": maddrs}})
     ctx.endpoint.ready.set()
+    seen: set[str] = {"relay"}
     counted: Counter = Counter()  # checks already added to the metric (the DHT process keeps totals)
     try:
         while not ctx.stop.wait(2.0):
@@ -63,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
                 metrics.reachability_checks.labels(outcome).inc(count - counted[outcome])
                 counted[outcome] = count
             alive = Counter(report["role"] for report in read_peer_reports(dht, ctx.run_id))
-            for role in ROLES:
+            seen.update(alive)
+            for role in seen:  # a role gone silent drops to 0, not out of the metric
                 metrics.peers_alive.labels(role).set(alive.get(role, 0))
             ctx.status.update(peersAlive=dict(alive), connectedPeers=snapshot["peers"],
                               reachabilityChecks=snapshot["checks"], maddrs=maddrs)

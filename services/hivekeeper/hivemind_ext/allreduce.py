@@ -1,4 +1,4 @@
-"""All-reduce with an averaging plan's shares instead of hivemind's bandwidth split.
+"""All-reduce with an averaging plan's shares instead of hivemind's bandwidth split, and byte counting.
 
 For every all-reduce group, hivemind's DecentralizedAverager decides which fraction of the
 vector each member aggregates (`peer_fractions`, from `load_balance_peers` over bandwidths
@@ -45,6 +45,9 @@ part, are not windowed.
 The child reports each finished round (planned or not, elements it aggregated, start and
 end, elements whose average never arrived) through a small shared array created before the
 fork: `last_round`.
+
+Byte counting. `CountingGradientAverager` counts the bytes of tensor parts each all-reduce
+moves, in counters that live in shared memory for the same reason.
 """
 
 from __future__ import annotations
@@ -63,13 +66,19 @@ from typing import Any, Mapping, Optional, Sequence
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.load_balancing import hagenbach_bishoff, load_balance_peers
+from hivemind.averaging.load_balancing import hagenbach_bishoff
 from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
-from hivemind.utils.timed_storage import get_dht_time
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import enter_asynchronously
 
-__all__ = ["PLAN_KEY", "PlannedAverager", "PlannedRound", "plan_digest", "planned", "planned_fractions",
-           "shares_by_peer_id"]
+from hivekeeper.hivemind_ext import check_hivemind_version
+from hivekeeper.hivemind_ext.group_round import Group, abandon_on_failure, add_averages, bandwidth_split, start_runner
+
+check_hivemind_version(__name__)
+
+__all__ = ["CountingGradientAverager", "PLAN_KEY", "PlannedAverager", "PlannedCountingGradientAverager",
+           "PlannedRound", "plan_digest", "planned", "planned_fractions", "shares_by_peer_id"]
 
 log = logging.getLogger("hivekeeper.planned_averaging")
 
@@ -128,28 +137,37 @@ class PlannedRound:
         return self.finished - self.started
 
 
+class _AnswerCounter:
+    """An all-reduce's part container (hivemind's TensorPartContainer, which the runner builds
+    itself) that also counts the averaged parts each aggregator has answered and wakes the flow
+    to it: composition, everything else goes to the container."""
+
+    def __init__(self, container: Any):
+        self.container = container
+        self.answered = [0] * container.group_size  # averaged parts received back, per aggregator
+        self.credit = [asyncio.Event() for _ in range(container.group_size)]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.container, name)
+
+    def register_processed_part(self, peer_index: int, part_index: int, part) -> None:
+        self.container.register_processed_part(peer_index, part_index, part)
+        self.answered[peer_index] += 1
+        self.credit[peer_index].set()
+
+    def register_failed_reducer(self, peer_index: int) -> None:
+        self.container.register_failed_reducer(peer_index)
+        self.answered[peer_index] = math.inf  # never block a flow whose aggregator is gone
+        self.credit[peer_index].set()
+
+
 class _PlannedRunner(AllReduceRunner):
     """Results wait for the end of sending only for client-mode members, and every flow to an
     aggregator keeps at most `window` parts unanswered (see the module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        container = self.tensor_part_container
-        self._answered = [0] * self.group_size  # averaged parts received back, per aggregator
-        self._credit = [asyncio.Event() for _ in range(self.group_size)]
-        register_processed, register_failed = container.register_processed_part, container.register_failed_reducer
-
-        def processed(peer_index: int, part_index: int, part) -> None:
-            register_processed(peer_index, part_index, part)
-            self._answered[peer_index] += 1
-            self._credit[peer_index].set()
-
-        def failed(peer_index: int) -> None:
-            register_failed(peer_index)
-            self._answered[peer_index] = math.inf  # never block a flow whose aggregator is gone
-            self._credit[peer_index].set()
-
-        container.register_processed_part, container.register_failed_reducer = processed, failed
+        self.tensor_part_container = _AnswerCounter(self.tensor_part_container)
 
     def should_delay_results(self, peer_id) -> bool:
         return self.modes[self.ordered_peer_ids.index(peer_id)] == AveragingMode.CLIENT
@@ -165,11 +183,11 @@ class _PlannedRunner(AllReduceRunner):
             async for message in messages:
                 yield message
             return
-        window, sent = self.window(peer_index), 0
+        window, sent, parts = self.window(peer_index), 0, self.tensor_part_container
         async for message in messages:
-            while sent - self._answered[peer_index] >= window:
-                self._credit[peer_index].clear()
-                await self._credit[peer_index].wait()
+            while sent - parts.answered[peer_index] >= window:
+                parts.credit[peer_index].clear()
+                await parts.credit[peer_index].wait()
             yield message
             sent += 1
 
@@ -213,23 +231,19 @@ class PlannedAverager(DecentralizedAverager):
         return super().step(gather, *args, **kwargs)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any):
-        """DecentralizedAverager's, with the fractions from the members' plan entries when they agree."""
-        try:
-            bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
-            if all(mode == _AUX for mode in mode_ids):
+        """hivemind's step (`group_round`), with the fractions from the members' plan entries when they agree."""
+        with abandon_on_failure(report=log.exception):
+            group = Group.read(self, group_info)
+            if all(mode == _AUX for mode in group.mode_ids):
                 # Auxiliaries that met before any sender (two of them suffice for a group) would
                 # "average" nothing and move on, leaving the senders without aggregators: fail the
                 # group, so that they look again (hivemind retries until the step's deadline).
                 raise MatchmakingException("no member of the group sends data")
-            entries, user_data = zip(*(_unwrap(self.serializer.loads(data)) for data in user_bytes))
-            fractions = planned_fractions(entries, mode_ids, self.total_size, min_vector_size)
+            entries, user_data = zip(*map(_unwrap, group.gathered))
+            fractions = planned_fractions(entries, group.mode_ids, self.total_size, min_vector_size)
+            planned_kwargs = {} if fractions is None else dict(modes=group.modes)
             if fractions is None:
-                download = [bw if mode != _CLIENT else 0.0 for bw, mode in zip(bandwidths, mode_ids)]
-                fractions = await asyncio.get_event_loop().run_in_executor(
-                    None, load_balance_peers, self.total_size, download, min_vector_size)
-                planned_kwargs = {}
-            else:
-                planned_kwargs = dict(modes=tuple(map(AveragingMode, mode_ids)))
+                fractions = await bandwidth_split(self, group, min_vector_size)
             started = time.time()
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=fractions,
@@ -237,38 +251,20 @@ class PlannedAverager(DecentralizedAverager):
             with self._report.get_lock():
                 report = self._report
                 report[_PLANNED], report[_STARTED], report[_FINISHED] = bool(planned_kwargs), started, time.time()
-                report[_ELEMENTS], report[_GROUP] = self._aggregated_elements, len(group_info.peer_ids)
+                report[_ELEMENTS], report[_GROUP] = self._aggregated_elements, group.size
                 report[_MISSING] = self._missing_elements
                 report[_ROUNDS] += 1
                 report[_PLANNED_ROUNDS] += bool(planned_kwargs)
             return dict(zip(group_info.peer_ids, user_data))
-        except MatchmakingException:
-            raise
-        except BaseException as e:
-            if isinstance(e, Exception):
-                log.exception(e)
-            raise MatchmakingException(f"Unable to run All-Reduce: {e}")
 
     async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id: Optional[bytes] = None,
                                       **kwargs: Any):
-        """DecentralizedAverager's, but planned rounds (the ones that pass modes) use `_PlannedRunner`,
-        and the elements this peer aggregates (and any it never got back) are reported."""
-        group_id = group_info.group_id if group_id is None else group_id
-        runner_type = _PlannedRunner if kwargs.get("modes") is not None else AllReduceRunner
-        runner = runner_type(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
-                             group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
-        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
-        self._running_groups[group_id].set_result(runner)
+        """hivemind's, but planned rounds (the ones that pass modes) use `_PlannedRunner`, and the
+        elements this peer aggregates (and any it never got back) are reported."""
+        runner = start_runner(self, tensors, group_info, group_id,
+                              _PlannedRunner if kwargs.get("modes") is not None else AllReduceRunner, **kwargs)
         self._aggregated_elements = sum(part.numel() for part in runner.parts_for_local_averaging)
-
-        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-            async for tensor, update in azip(as_aiter(*tensors), runner):
-                tensor.add_(update, alpha=self._averaging_alpha)
-                self.last_updated = get_dht_time()
-                self._state_updated.set()
-        else:
-            async for _ in runner:
-                raise ValueError("aux peers should not receive averaged tensors")
+        await add_averages(self, runner, tensors, group_info)
         self._missing_elements = runner.tensor_part_container.failed_size
 
 
@@ -279,11 +275,49 @@ def _unwrap(data: Any) -> tuple[Optional[list], Any]:
 
 
 def planned(averager_class: type) -> type:
-    """`averager_class` (a DecentralizedAverager subclass, e.g. hivemind's GradientAverager or
-    hivekeeper's CountingGradientAverager) with PlannedAverager placed right above
-    DecentralizedAverager in its MRO, so that the subclass's own overrides still run first."""
+    """`averager_class` (a DecentralizedAverager subclass, e.g. hivemind's GradientAverager) with
+    PlannedAverager placed right above DecentralizedAverager in its MRO, so that the subclass's
+    own overrides still run first; the one the Swarm uses is declared below, by name."""
     if issubclass(averager_class, PlannedAverager):
         return averager_class
     if averager_class is DecentralizedAverager:
         return PlannedAverager
     return type(f"Planned{averager_class.__name__}", (averager_class, PlannedAverager), {})
+
+
+class CountingGradientAverager(GradientAverager):
+    """Counts bytes of tensor parts moved in all-reduce. The all-reduce runs in the averager's
+    forked child process, so the counters live in shared memory created before the fork."""
+
+    def __init__(self, *args: Any, wire_bytes_per_element: float = 4.0, **kwargs: Any):
+        ctx = mp.get_context("fork")
+        self.sent_bytes, self.received_bytes = ctx.Value("d", 0.0), ctx.Value("d", 0.0)
+        self.last_round_bytes = ctx.Value("d", 0.0)  # each way, in the latest round
+        self.wire_bytes_per_element = wire_bytes_per_element
+        super().__init__(*args, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
+        parts = kwargs.get("peer_fractions")  # despite the name: elements each peer aggregates
+        modes = kwargs.get("modes")
+        if not parts:
+            return
+        me = group_info.peer_ids.index(self.peer_id)
+        sends_data = modes is None or modes[me].name != "AUX"
+        senders = sum(1 for m in modes if m.name != "AUX") if modes is not None else len(parts)
+        size = self.total_size * self.wire_bytes_per_element
+        # As a sender: my vector minus the part I aggregate goes out, and the averaged parts come back.
+        # As an aggregator: every other sender's share of my part comes in, and the averages go back.
+        own_part = parts[me] * self.wire_bytes_per_element
+        outbound = (size - own_part if sends_data else 0.0) + own_part * (senders - int(sends_data))
+        with self.sent_bytes.get_lock():
+            self.sent_bytes.value += outbound
+        with self.received_bytes.get_lock():
+            self.received_bytes.value += outbound  # all-reduce is symmetric: as much returns as goes out
+        self.last_round_bytes.value = outbound
+
+
+class PlannedCountingGradientAverager(CountingGradientAverager, PlannedAverager):
+    """The Swarm's gradient averager: counts bytes, splits per the plan (PlannedAverager sits right
+    above DecentralizedAverager, so the subclasses' overrides run first). hivemind names RPC
+    handlers after the class: every peer of a run must use this one (the name is the wire)."""

@@ -1,6 +1,6 @@
-"""The auth role (`hivekeeper run auth`): the swarm's token service. It joins no DHT; it serves
-hivekeeper.Gateway/Join and gRPC health on --grpc-port, and /metrics, /healthz, /readyz, /status
-on --metrics-port. Ready once gRPC serves."""
+"""The token service role (`hivekeeper run auth`): with the relays, what lets volunteers in, for
+any kind. It joins no DHT; it serves hivekeeper.Gateway/Join and gRPC health on --grpc-port,
+and /metrics, /healthz, /readyz, /status on --metrics-port. Ready once gRPC serves."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ from typing import Any
 from hivekeeper.auth.gateway import REFUSAL_REASONS, Allowlist, TokenService, serve_gateway
 from hivekeeper.auth.keys import load_swarm_key
 from hivekeeper.auth.watched import WatchedFile
-from hivekeeper.swarm.common import RoleContext, load_role_context, setup_logging
+from hivekeeper.runtime.context import RoleContext
+from hivekeeper.runtime.lifecycle import load_context
+from hivekeeper.volunteer.metrics import AuthMetrics
 
 log = logging.getLogger("hivekeeper.auth")
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("auth", args.index)
-    ctx = load_role_context("auth", args)
+    ctx = load_context("auth", args, None, AuthMetrics())  # any kind: it admits peers, whatever they run
     if not args.swarm_key or not Path(args.swarm_key).is_file():
         raise SystemExit(f"auth: --swarm-key must name the swarm's signing key file (got {args.swarm_key!r})")
     volunteers = ctx.spec.volunteers

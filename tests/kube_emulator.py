@@ -1,4 +1,4 @@
-"""A Kubernetes API for tests: kmock's `KubernetesEmulator` with the small shim the operator
+"""A Kubernetes API for the operator's tests: kmock's `KubernetesEmulator` with the small shim the operator
 needs (DESIGN.md, "Known facts about the Kubernetes test setup here"), served on 127.0.0.1 from
 a thread of its own, with a kubeconfig that both kopf and the official client read.
 

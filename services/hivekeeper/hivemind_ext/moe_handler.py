@@ -16,9 +16,12 @@ from hivemind.p2p import P2PContext
 from hivemind.p2p.p2p_daemon import DEFAULT_MAX_MSG_SIZE
 from hivemind.proto import runtime_pb2
 from hivemind.utils import nested_flatten
+from hivemind.moe.server.module_backend import ModuleBackend
 from hivemind.utils.streaming import split_for_streaming
 
-from hivekeeper.experts.backend import ExpertBackend
+from hivekeeper.hivemind_ext import check_hivemind_version
+
+check_hivemind_version(__name__)
 
 
 class BadRequest(ValueError):
@@ -42,14 +45,14 @@ def check_tensors(uid: str, what: str, tensors: Sequence[torch.Tensor], schema) 
 
 
 class CheckedConnectionHandler(ConnectionHandler):
-    module_backends: dict[str, ExpertBackend]
+    module_backends: dict[str, ModuleBackend]
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
         # hivemind's clients call "ConnectionHandler.rpc_*": serve under the same names
         return ConnectionHandler._get_handle_name(namespace, method_name)
 
-    def _expert(self, uid: str) -> ExpertBackend:
+    def _expert(self, uid: str) -> ModuleBackend:
         if uid not in self.module_backends:
             held = sorted(self.module_backends)
             raise BadRequest(f"unknown expert uid {uid!r}: this server holds {', '.join(held) or 'no experts'}")

@@ -1,0 +1,106 @@
+"""hivemind's averager step for one formed group, in pieces that hivekeeper's averagers share.
+
+In hivemind 1.1.12, `DecentralizedAverager._aggregate_with_group` and `_run_allreduce_inplace_`
+do, once matchmaking has formed a group: read what every member gathered (its bandwidth, its
+averaging mode and the user's data), split the vector among the members (`load_balance_peers`
+over the download bandwidths, 0 for client-mode members), start an `AllReduceRunner` over the
+averager's tensors and hand it to the groupmates' RPCs waiting under the group's id, add the
+averages to the tensors, and turn any failure into the `MatchmakingException` that makes the
+step retry or end. The planned averager (`allreduce`) changes the split and the runner; the
+merging averager (`merging`) runs two all-or-nothing rounds on one group. Both build their step
+from these pieces instead of each keeping a copy of hivemind's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
+
+from hivekeeper.hivemind_ext import check_hivemind_version
+
+check_hivemind_version(__name__)
+
+__all__ = ["Group", "abandon_on_failure", "add_averages", "bandwidth_split", "start_runner"]
+
+@dataclass(frozen=True)
+class Group:
+    """A formed group as matchmaking gathered it, members in the group's order."""
+
+    info: GroupInfo
+    bandwidths: tuple[float, ...]
+    mode_ids: tuple[int, ...]  # AveragingMode values
+    gathered: tuple[Any, ...]  # each member's user data
+
+    @classmethod
+    def read(cls, averager: DecentralizedAverager, info: GroupInfo) -> "Group":
+        loads = averager.serializer.loads
+        bandwidths, mode_ids, user_bytes = zip(*map(loads, info.gathered))
+        return cls(info, bandwidths, mode_ids, tuple(map(loads, user_bytes)))
+
+    @property
+    def modes(self) -> tuple[AveragingMode, ...]:
+        return tuple(map(AveragingMode, self.mode_ids))
+
+    @property
+    def size(self) -> int:
+        return len(self.info.peer_ids)
+
+
+async def bandwidth_split(averager: DecentralizedAverager, group: Group, min_vector_size: int) -> Sequence[int]:
+    """hivemind's split: elements each member aggregates, by download bandwidth (none for client mode)."""
+    download = [bw if mode != AveragingMode.CLIENT.value else 0.0 for bw, mode in zip(group.bandwidths, group.mode_ids)]
+    return await asyncio.get_event_loop().run_in_executor(
+        None, load_balance_peers, averager.total_size, download, min_vector_size)
+
+
+def start_runner(averager: DecentralizedAverager, tensors: Sequence[torch.Tensor], info: GroupInfo,
+                 group_id: Optional[bytes] = None, runner_class: type[AllReduceRunner] = AllReduceRunner,
+                 **kwargs: Any) -> AllReduceRunner:
+    """An all-reduce of `tensors` among the group, handed to the groupmates' requests waiting under
+    `group_id` (the group's id by default; registered by `_register_allreduce_group`)."""
+    group_id = info.group_id if group_id is None else group_id
+    runner = runner_class(p2p=averager._p2p, servicer_type=type(averager), prefix=averager.prefix, tensors=tensors,
+                          group_id=group_id, ordered_peer_ids=info.peer_ids, **kwargs)
+    assert group_id in averager._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+    averager._running_groups[group_id].set_result(runner)
+    return runner
+
+
+async def add_averages(averager: DecentralizedAverager, runner: AllReduceRunner, tensors: Sequence[torch.Tensor],
+                       info: GroupInfo) -> None:
+    """hivemind's: add the runner's averages to `tensors` (an auxiliary member receives none)."""
+    if runner.modes[info.peer_ids.index(averager.peer_id)] != AveragingMode.AUX:
+        async for tensor, update in azip(as_aiter(*tensors), runner):
+            tensor.add_(update, alpha=averager._averaging_alpha)
+            averager.last_updated = get_dht_time()
+            averager._state_updated.set()
+    else:
+        async for _ in runner:
+            raise ValueError("aux peers should not receive averaged tensors")
+
+
+@contextlib.contextmanager
+def abandon_on_failure(report: Callable[[Exception], None],
+                       message: Callable[[BaseException], str] = lambda e: f"Unable to run All-Reduce: {e}"
+                       ) -> Iterator[None]:
+    """hivemind's ending of a group's step: any failure (a cancellation too) becomes a
+    MatchmakingException, which the averager's step retries or raises; `report` sees the errors."""
+    try:
+        yield
+    except MatchmakingException:
+        raise
+    except BaseException as e:
+        if isinstance(e, Exception):
+            report(e)
+        raise MatchmakingException(message(e)) from e

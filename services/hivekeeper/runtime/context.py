@@ -1,0 +1,150 @@
+"""A role's context, the same for every kind: its spec (typed by the kind), arguments, metrics,
+HTTP endpoint, its DHT peer, and the reports it publishes about itself."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from hivekeeper.runtime import reports
+from hivekeeper.service import ServiceEndpoint
+from hivekeeper.spec import Manifest
+from hivekeeper.topology import host_protocol
+
+log = logging.getLogger("hivekeeper")
+SpecT = TypeVar("SpecT")
+
+
+@dataclass
+class RoleContext(Generic[SpecT]):
+    role: str
+    args: argparse.Namespace
+    manifest: Manifest
+    metrics: Any  # the kind's metrics: `registry` to serve, `peer_info`, and the role's own
+    stop: threading.Event = field(default_factory=threading.Event)
+    endpoint: ServiceEndpoint | None = None
+    status: dict[str, Any] = field(default_factory=dict)
+    client_mode: bool = False  # set by make_dht: whether this peer accepts connections
+    # how long a report outlives its peer's silence: a kind whose steps block (a Swarm's averaging
+    # round) adds that time
+    report_ttl: float = reports.REPORT_EXPIRATION
+
+    @property
+    def spec(self) -> SpecT:
+        return self.manifest.spec  # type: ignore[return-value]  # checked by load_context
+
+    @property
+    def run_id(self) -> str:
+        return self.manifest.metadata.name
+
+    @property
+    def peer_name(self) -> str:
+        return f"{self.role}-{self.args.index}"
+
+    def option(self, name: str, default: Any = None) -> Any:
+        """An argument of a set this role may not take (`arguments.peer_access`, `.relay`)."""
+        return getattr(self.args, name, default)
+
+    def start_endpoint(self) -> ServiceEndpoint:
+        # identity before the DHT is up (a peer stuck bootstrapping still belongs to its resource);
+        # make_dht adds the peer ID and mode
+        self.metrics.peer_info.info({"swarm": self.run_id, "role": self.role, "peer": self.peer_name})
+        self.endpoint = ServiceEndpoint(
+            self.metrics.registry, self.args.host, self.args.metrics_port, status=lambda: dict(self.status)
+        ).start()
+        return self.endpoint
+
+    @property
+    def metrics_address(self) -> str | None:
+        """host:port where others scrape this role's /metrics."""
+        if self.endpoint is None:
+            return None
+        return f"{self.args.announce_host or self.args.host}:{self.endpoint.port}"
+
+    def make_dht(self, client_mode: bool = False, attempts: int = 5, **p2p_options: Any):
+        """Join the DHT, retrying while the bootstrap peers are unreachable (a backbone that is
+        still starting, a loaded machine): the role fails only if they stay unreachable."""
+        from hivemind.p2p import P2PDaemonError
+
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._make_dht(client_mode, **p2p_options)
+            # p2pd's own bootstrap error, or hivemind's "DHTNode bootstrap failed" when the
+            # backbone is up but does not answer yet
+            except (P2PDaemonError, RuntimeError) as e:
+                if attempt == attempts or "bootstrap" not in str(e):
+                    raise
+                log.warning("bootstrap peers unreachable, retrying", extra={"fields": {"attempt": attempt}})
+                time.sleep(min(2.0 * attempt, 10.0))
+        raise AssertionError("unreachable")
+
+    def authorizer(self):
+        """Signs and checks every DHT request when the resource admits peers by token."""
+        if not self.option("gateway"):
+            return None
+        if not self.option("invite"):
+            raise SystemExit(f"{self.peer_name}: --gateway needs --invite (this peer's invite file)")
+        from hivekeeper.auth.authorizer import make_authorizer
+
+        return make_authorizer(self.args.gateway, self.args.invite)
+
+    def _make_dht(self, client_mode: bool, **p2p_options: Any):
+        import hivemind
+
+        args = self.args
+        host_maddrs = [f"/ip4/{args.host}/tcp/{args.p2p_port}"]
+        announce = args.announce_host
+        announce_maddrs = [f"{host_protocol(announce)}/tcp/{args.p2p_port}"] if announce and args.p2p_port else None
+        public = self.option("public_address")
+        if public:  # a relay: dialed from outside at the Service's address too
+            host, port = public.rsplit(":", 1)
+            announce_maddrs = (announce_maddrs or [f"{host_protocol(args.host)}/tcp/{args.p2p_port}"]) + [
+                f"{host_protocol(host)}/tcp/{port}"]
+        client_mode = client_mode or bool(self.option("client_mode"))
+        self.client_mode = client_mode
+        relays = list(self.option("relay") or ())
+        if relays:
+            from hivekeeper.hivemind_ext.p2pd import use_static_relays
+
+            use_static_relays()  # reserve at these relays, at once
+        dht = hivemind.DHT(
+            initial_peers=list(args.initial_peers),
+            host_maddrs=host_maddrs,
+            announce_maddrs=announce_maddrs,
+            identity_path=args.identity,
+            client_mode=client_mode,
+            use_auto_relay=bool(relays),
+            trusted_relays=relays or None,
+            authorizer=self.authorizer(),
+            start=True,
+            # Ctrl-C reaches every process in the terminal's group; we shut the DHT down ourselves.
+            daemon=True,
+            # autorelay reserves a slot only once AutoNAT finds us private, which it never does
+            # where every address is private (AutoNAT dials back public ones only): say so
+            **{"force_reachability": "private" if relays else None, **p2p_options},
+        )
+        if relays and not client_mode:  # others reach us through a circuit: dial them back directly
+            from hivekeeper.hivemind_ext.p2pd import keep_direct_connections
+
+            dht.run_coroutine(keep_direct_connections)
+        self.metrics.peer_info.info(
+            {"swarm": self.run_id, "role": self.role, "peer": self.peer_name, "peer_id": str(dht.peer_id),
+             "client_mode": str(bool(client_mode)).lower()}
+        )
+        return dht
+
+    def publish_report(self, dht, report: dict[str, Any]) -> None:
+        """Tell the other peers (and whoever sums the resource up) what this peer is doing."""
+        from hivemind.utils import get_dht_time
+
+        record = {"role": self.role, "name": self.peer_name, "time": time.time(), "peerId": str(dht.peer_id),
+                  "metrics": self.metrics_address, "clientMode": self.client_mode, **report}
+        dht.store(self.run_id + reports.PEERS_KEY, subkey=str(dht.peer_id), value=record,
+                  expiration_time=get_dht_time() + self.report_ttl, return_future=True)
+
+    def stop_requested(self, dht) -> dict[str, Any] | None:
+        return reports.read_stop(dht, self.run_id)
