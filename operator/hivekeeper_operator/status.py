@@ -225,12 +225,13 @@ def resource_status(*, kind: str, generation: int | None, previous: dict[str, An
 
     failed = next((c for c in plan.components if c.job and job_finished(workloads.get(c.name)) == "Failed"), None)
     backbone_ready = all(counts[c.status_key]["ready"] >= 1 for c in plan.components if c.backbone)
-    scaled_counts = counts.get(scaled.status_key) if scaled is not None else None
+    needed = next((c for c in plan.components if c.name == runtime(kind).running_component), None)
+    needed_counts = counts.get(needed.status_key) if needed is not None else None
     status.update(lifecycle(
         previous=previous, generation=generation, now=now, settings=settings, completed=completed,
         failed=f"{failed.status_key} failed {JOB_BACKOFF_LIMIT} times" if failed else None,
-        running=backbone_ready and ready_total > 0 and (not scaled_counts or scaled_counts["ready"] >= 1
-                                                        or scaled_counts["desired"] == 0),
+        running=backbone_ready and ready_total > 0 and (not needed_counts or needed_counts["ready"] >= 1
+                                                        or needed_counts["desired"] == 0),
         not_ready=[f"{key} {c['ready']}/{c['desired']}" for key, c in counts.items() if c["ready"] < c["desired"]],
         rolling=[c.status_key for c in plan.components
                  if not c.job and rolling_out(workloads.get(c.name), 0 if completed else c.replicas)],

@@ -36,6 +36,9 @@ class KindRuntime:
     stop_grace_seconds: Callable[[Manifest], int] = lambda manifest: 60
     # the component whose /status sums up the resource (None: the first backbone peer's)
     status_component: Optional[str] = None
+    # besides a ready backbone peer, the component one ready pod of which makes the resource
+    # Running (a Swarm's trainers); None: any ready pod
+    running_component: Optional[str] = None
     # the component a volunteer runs (`hivekeeper join`); None: the kind takes no volunteers
     volunteer_role: Optional[str] = None
 

@@ -69,6 +69,7 @@ RUNTIME = KindRuntime(
     stop_grace_seconds=lambda manifest: int(manifest.spec.averaging.timeout_seconds
                                             + manifest.spec.averaging.matchmaking_seconds + 30),
     status_component="monitor",
+    running_component="trainer",
     volunteer_role="trainer",
     role_modules={
         BACKBONE: RoleEntry("hivekeeper.swarm.backbone"),
