@@ -512,7 +512,9 @@ def test_closing_the_door_to_volunteers_deletes_what_it_needed(cluster, client, 
     door = {("StatefulSet", f"{name}-relay"), ("StatefulSet", f"{name}-auth"), ("Service", f"{name}-relay"),
             ("Service", f"{name}-auth"), ("Service", f"{name}-relay-0"), ("Service", f"{name}-gateway"),
             ("Secret", f"{name}-swarm-auth"), ("Secret", f"{name}-invites")}
-    opened = wait_for(lambda: (now := children(cluster, name)) and door <= set(now) and now, what="the door's children")
+    # The status is written after every child: once it is there, the first pass is whole.
+    opened = wait_for(lambda: swarm(cluster, name).get("status") and (now := children(cluster, name)) and door <= set(now)
+                      and now, what="the door's children")
     patch_swarm(client, name, {"spec": {"volunteers": {"enabled": False}}})
     closed = wait_for(lambda: (now := children(cluster, name)) and not door & set(now) and now, what="the door gone")
     assert set(closed) == set(opened) - door
