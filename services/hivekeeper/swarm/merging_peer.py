@@ -40,7 +40,7 @@ import torch
 
 from hivekeeper.swarm.merging import MergeResult, SimpleMerger, TiesMerger
 from hivekeeper.swarm.model_shifting import ModelShifter
-from hivekeeper.swarm.optimizer import reset_step_counters
+from hivekeeper.swarm.optimizer import chunk_timeout, reset_step_counters
 
 log = logging.getLogger("hivekeeper.merging_peer")
 
@@ -213,7 +213,8 @@ class MergingPeer(WrapperPeer):
         self.shifter = ModelShifter(dht, prefix, rendezvous_seconds=matchmaking_seconds,
                                     timeout=timeout_seconds) if shift_every else None
         options = dict(target_group_size=target_group_size, min_matchmaking_time=matchmaking_seconds,
-                       request_timeout=min(3.0, matchmaking_seconds / 2), allreduce_timeout=timeout_seconds)
+                       request_timeout=min(3.0, matchmaking_seconds / 2), allreduce_timeout=timeout_seconds,
+                       next_chunk_timeout=chunk_timeout(matchmaking_seconds, timeout_seconds))
         merger_prefix = f"{prefix}_merge"
         self.merger = (TiesMerger(dht, merger_prefix, tensors, trim=trim, **options) if mode == "ties"
                        else SimpleMerger(dht, merger_prefix, tensors, **options))
