@@ -13,7 +13,15 @@ The shim does what a kube-apiserver does and the emulator does not:
   for an owner already deleted;
 - serve a custom resource's `/scale` (GET and PATCH) as an autoscaling/v1 Scale mapped onto the
   CRD's specReplicasPath, statusReplicasPath and labelSelectorPath (`kubectl scale`, an HPA):
-  the emulator would merge a Scale patch into the object as it is.
+  the emulator would merge a Scale patch into the object as it is;
+- server-side apply (PATCH application/apply-patch+yaml with a fieldManager): create the object
+  if it is absent; else remove the fields this manager applied last time and no longer applies
+  (its managedFields entry records them), and merge the applied fields over the live object, so
+  that a hand edit of an applied field is set back and other fields stay. Simplified: lists are
+  atomic (the real one merges lists keyed by name, port...), other managers' ownership is not
+  tracked (force is assumed), and an apply that changes nothing writes nothing (no new
+  resourceVersion, no watch event), as in the real one;
+- PUT (a whole-object update) with the resourceVersion precondition: 409 if it is not the live one.
 It validates nothing against CRD schemas: tests check that with `hivekeeper.spec.crd`.
 
 kmock and attrs are test dependencies: importing this module needs the `operator-test` extra.
@@ -50,6 +58,7 @@ CORE_RESOURCES: dict[str, dict[str, Any]] = {
     "apps/v1/deployments": dict(kind="Deployment", namespaced=True, subresources={"status", "scale"}),
     "batch/v1/jobs": dict(kind="Job", namespaced=True, subresources={"status"}),
     "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", namespaced=True, subresources={"status"}),
+    "coordination.k8s.io/v1/leases": dict(kind="Lease", namespaced=True),
 }
 SERVICE_MONITORS = {"monitoring.coreos.com/v1/servicemonitors": dict(kind="ServiceMonitor", namespaced=True)}
 
@@ -82,6 +91,12 @@ class ShimmedEmulator(kmock.KubernetesEmulator):
 
     async def _handle(self, request):  # type: ignore[override]
         resource = request.resource
+        if resource is not None and request.name is not None and request.subresource is None:
+            if request.action == enums.action.UPDATE and \
+                    request.headers.get("Content-Type", "").startswith("application/apply-patch"):
+                return aiohttp.web.json_response(await self._server_side_apply(request))
+            if request.method == "PUT":
+                return aiohttp.web.json_response(await self._replace(request))
         scale = self._scale_paths(request) if request.subresource == "scale" else None
         if scale is not None and request.action == enums.action.FETCH:
             return aiohttp.web.json_response(self._scale_of(request, scale))
@@ -105,6 +120,71 @@ class ShimmedEmulator(kmock.KubernetesEmulator):
             # The real garbage collector also removes objects created (late) for an owner that is gone.
             await self._collect_garbage()
         return response
+
+    async def _server_side_apply(self, request: Any) -> dict[str, Any]:
+        manager = request.params.get("fieldManager")
+        if not manager:
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message="fieldManager is required for apply")
+        applied = copy.deepcopy(request.data) if isinstance(request.data, dict) else None
+        if not applied or applied.get("metadata", {}).get("name") != request.name:
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message="apply needs the object, named as in the URL")
+        key = (request.resource, request.namespace, request.name)
+        if self._has_status(request.resource):
+            applied.pop("status", None)
+        entry = {"manager": manager, "operation": "Apply", "apiVersion": applied.get("apiVersion"), "time": _now(),
+                 "fieldsType": "FieldsV1", "fieldsV1": _fields(applied)}
+        async with self._lock:
+            if key not in self.objects or self.objects[key].deleted:
+                meta = applied.setdefault("metadata", {})
+                meta.update(namespace=request.namespace, uid=str(uuid.uuid4()), resourceVersion=str(next(self._versions)),
+                            generation=1, creationTimestamp=_now(), managedFields=[entry])
+                if key in self.objects:
+                    self.objects[key].create(applied)
+                else:
+                    self.objects[key] = applied
+                event = "ADDED"
+            else:
+                current = copy.deepcopy(self.objects[key].raw)
+                entries = current.get("metadata", {}).get("managedFields") or []
+                previous = next((e["fieldsV1"] for e in entries if e.get("manager") == manager
+                                 and e.get("operation") == "Apply"), {})
+                merged = _merge(_without(current, previous, entry["fieldsV1"]), applied)
+                merged["metadata"]["managedFields"] = [e for e in entries if e.get("manager") != manager
+                                                       or e.get("operation") != "Apply"] + [entry]
+                if _same(merged, current):
+                    return current
+                merged["metadata"]["resourceVersion"] = str(next(self._versions))
+                if merged.get("spec") != current.get("spec"):
+                    merged["metadata"]["generation"] = int(current["metadata"].get("generation") or 1) + 1
+                self.objects[key].create(merged)
+                event = "MODIFIED"
+            raw = self.objects[key].raw
+            await self._buses[request.resource].put({"type": event, "object": raw})
+        await self._collect_garbage()
+        return raw
+
+    async def _replace(self, request: Any) -> dict[str, Any]:
+        key = (request.resource, request.namespace, request.name)
+        new = copy.deepcopy(request.data) if isinstance(request.data, dict) else {}
+        async with self._lock:
+            if key not in self.objects or self.objects[key].deleted:
+                raise kmock.KubernetesError(status=404, reason="NotFound", message=f"{request.name} not found")
+            current = self.objects[key].raw
+            meta, live_meta = new.setdefault("metadata", {}), current["metadata"]
+            if meta.get("resourceVersion") != live_meta.get("resourceVersion"):
+                raise kmock.KubernetesError(status=409, reason="Conflict", message=(
+                    f"the object has been modified: resourceVersion {meta.get('resourceVersion')!r} is not the live "
+                    f"{live_meta.get('resourceVersion')!r}"))
+            for field in ("uid", "creationTimestamp", "namespace", "name"):
+                meta[field] = live_meta.get(field)
+            if self._has_status(request.resource):
+                new["status"] = current.get("status")
+            meta["resourceVersion"] = str(next(self._versions))
+            meta["generation"] = int(live_meta.get("generation") or 1) + (new.get("spec") != current.get("spec"))
+            self.objects[key].create(new)
+            raw = self.objects[key].raw
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": raw})
+        return raw
 
     async def _patch_scale(self, request: Any, paths: dict[str, str]) -> None:
         """A Scale patch becomes a patch of the CRD's specReplicasPath, as the apiserver makes it."""
@@ -202,6 +282,47 @@ class ShimmedEmulator(kmock.KubernetesEmulator):
                     await self._buses[key[0]].put({"type": "DELETED", "object": raw})
             if not orphans:
                 return
+
+
+def _fields(applied: Any) -> dict[str, Any]:
+    """The fields an applied object sets, as a FieldsV1 set: {"f:spec": {"f:replicas": {}}}.
+    A list, a scalar and an empty map are leaves."""
+    if isinstance(applied, dict) and applied:
+        return {f"f:{key}": _fields(value) for key, value in applied.items()}
+    return {}
+
+
+def _without(live: dict[str, Any], previous: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """`live` less the fields in the `previous` set that are not in the `now` set."""
+    out = dict(live)
+    for field, below in previous.items():
+        key = field.removeprefix("f:")
+        if field not in now:
+            out.pop(key, None)
+        elif below and now[field] and isinstance(out.get(key), dict):
+            out[key] = _without(out[key], below, now[field])
+    return out
+
+
+def _merge(live: Any, applied: Any) -> Any:
+    """`applied` over `live`: maps merge, anything else is replaced."""
+    if not (isinstance(live, dict) and isinstance(applied, dict)):
+        return copy.deepcopy(applied)
+    out = dict(live)
+    for key, value in applied.items():
+        out[key] = _merge(live.get(key), value)
+    return out
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Equal but for the managedFields' times (a no-op apply leaves those as they were)."""
+    def clean(obj: dict[str, Any]) -> dict[str, Any]:
+        out = copy.deepcopy(obj)
+        for entry in out.get("metadata", {}).get("managedFields") or []:
+            entry.pop("time", None)
+        return out
+
+    return clean(a) == clean(b)
 
 
 def _lookup(obj: dict[str, Any], json_path: str) -> Any:

@@ -349,6 +349,77 @@ def test_operator_restart_creates_no_duplicates_and_repairs_what_is_missing(clus
     assert writes == {(kind, "StatefulSet", "create"): 1.0, (kind, "ConfigMap", "create"): 1.0}
 
 
+def test_a_hand_edit_of_a_field_the_operator_sets_is_set_back_and_other_fields_stay(cluster, client, start_operator):
+    """Server-side apply: `kubectl scale` of a StatefulSet, an edited Service port's target or
+    label come back to the plan's values at the next resync; a label and an annotation of
+    someone else's stay, and a child nobody touched is not written again. (The emulator's lists
+    are atomic; a real apiserver merges ports by port number, so a port added by hand stays:
+    the real-cluster test edits one the operator set.)"""
+    import kubernetes
+
+    operator = start_operator()
+    apply_swarm(client, example())
+    made = wait_for(lambda: all_children_made(cluster), what="children")
+    apps, core = kubernetes.client.AppsV1Api(client), kubernetes.client.CoreV1Api(client)
+    apps.patch_namespaced_stateful_set("digits-trainer", NS, {
+        "metadata": {"labels": {"team": "vision"}, "annotations": {"note": "mine"}}, "spec": {"replicas": 7}})
+    ports = made[("Service", "digits-backbone")]["spec"]["ports"]
+    core.patch_namespaced_service("digits-backbone", NS, {"spec": {"ports": [{**ports[0], "targetPort": 9999}, *ports[1:]]}})
+    core.patch_namespaced_config_map("digits-config", NS, {"metadata": {"labels": {"app.kubernetes.io/part-of": "other"}}})
+
+    def set_back() -> dict | None:
+        now = children(cluster)
+        trainer = now[("StatefulSet", "digits-trainer")]
+        return now if (trainer["spec"]["replicas"] == 3
+                       and now[("Service", "digits-backbone")]["spec"]["ports"] == made[("Service", "digits-backbone")]["spec"]["ports"]
+                       and now[("ConfigMap", "digits-config")]["metadata"]["labels"] == made[("ConfigMap", "digits-config")]["metadata"]["labels"]) else None
+
+    now = wait_for(set_back, what="the hand edits set back")
+    trainer = now[("StatefulSet", "digits-trainer")]["metadata"]
+    assert trainer["labels"]["team"] == "vision" and trainer["annotations"]["note"] == "mine"
+    assert now[("StatefulSet", "digits-trainer")]["spec"]["template"] == made[("StatefulSet", "digits-trainer")]["spec"]["template"]
+    assert [e["manager"] for e in trainer["managedFields"] if e["operation"] == "Apply"] == ["hivekeeper-operator"]
+    assert "hivekeeper.dev/applied-hash" not in (trainer.get("annotations") or {})
+    edited = {("StatefulSet", "digits-trainer"), ("Service", "digits-backbone"), ("ConfigMap", "digits-config")}
+    for key in set(made) - edited:
+        assert now[key]["metadata"]["resourceVersion"] == made[key]["metadata"]["resourceVersion"], key
+    writes = {tuple(s.labels.values()): s.value for metric in operator.metrics.writes.collect()
+              for s in metric.samples if s.name.endswith("_total") and s.labels["action"] == "patch"}
+    assert writes == {("Swarm", "StatefulSet", "patch"): 1.0, ("Swarm", "Service", "patch"): 1.0,
+                      ("Swarm", "ConfigMap", "patch"): 1.0}
+
+
+def events(cluster: EmulatedCluster, name: str = "digits") -> list[dict[str, Any]]:
+    return sorted((e for e in cluster.objects("v1/events", NS) if e["involvedObject"]["name"] == name
+                   and e["source"]["component"] == "hivekeeper-operator"), key=lambda e: e["metadata"]["name"])
+
+
+def test_events_tell_phase_changes_scaling_and_errors_once_each(cluster, client, start_operator):
+    """What `kubectl describe` lists: phase changes and scaling, and an error that repeats at every
+    resync as one Event whose count grows."""
+    start_operator()
+    apply_swarm(client, example())
+    wait_for(lambda: all_children_made(cluster), what="children")
+    become_ready(cluster)
+    wait_for(lambda: swarm(cluster).get("status", {}).get("phase") == "Running", what="Running")
+    patch_swarm(client, "digits", {"spec": {"trainers": {"replicas": 5}}})
+    recorded = wait_for(lambda: (found := events(cluster)) and any(e["reason"] == "Scaled" for e in found) and found,
+                        what="a Scaled event")
+    assert [(e["type"], e["reason"], e["message"]) for e in recorded] == [
+        ("Normal", "PhaseChanged", "Pending"), ("Normal", "PhaseChanged", "Pending -> Running"),
+        ("Normal", "Scaled", "trainer: 3 -> 5 replicas")]
+    uid = swarm(cluster)["metadata"]["uid"]
+    assert all(e["involvedObject"] == {**e["involvedObject"], "kind": "Swarm", "namespace": NS, "uid": uid}
+               for e in recorded)
+
+    apply_swarm(client, example(changes={"metadata": {"name": "bad"}, "spec": {"trainers": {"batchSize": 512}}}))
+    repeated = wait_for(lambda: [e for e in events(cluster, "bad") if e["reason"] == "InvalidSpec" and e["count"] >= 3],
+                        what="the invalid spec reported at three resyncs")
+    assert len([e for e in events(cluster, "bad") if e["reason"] == "InvalidSpec"]) == 1
+    assert repeated[0]["type"] == "Warning" and "exceeds targetBatchSize" in repeated[0]["message"]
+    assert repeated[0]["lastTimestamp"] >= repeated[0]["firstTimestamp"]
+
+
 def test_deleting_the_swarm_removes_its_children(cluster, client, start_operator):
     start_operator()
     apply_swarm(client, example())

@@ -276,3 +276,28 @@ def test_an_existing_checkpoint_claim_is_mounted_and_never_deleted(cluster, clie
     custom(client).delete_namespaced_custom_object("hivekeeper.dev", "v1alpha1", NS, "expertpools", "digits-moe")
     wait_for(lambda: not children(cluster, "digits-moe"), what="the pool's children to go")
     assert cluster.object(PVCS, NS, "lab-nfs") is not None
+
+
+def test_a_monitor_claim_is_made_for_the_swarm_and_a_placement_naming_a_pod_volume_is_invalid(
+        cluster, client, start_operator):
+    start_operator()
+    document = example("swarm-digits.yaml", {"spec": {"monitor": {"volumeClaim": {"size": "1Gi"}}}})
+    custom(client).create_namespaced_custom_object("hivekeeper.dev", "v1alpha1", NS, "swarms", document)
+    claim = wait_for(lambda: cluster.object(PVCS, NS, "digits-checkpoints"), what="the monitor's checkpoint claim")
+    swarm = cluster.object("hivekeeper.dev/v1alpha1/swarms", NS, "digits")
+    assert claim["metadata"]["ownerReferences"][0]["uid"] == swarm["metadata"]["uid"]
+    job = wait_for(lambda: cluster.object(JOBS, NS, "digits-monitor"), what="the monitor's Job")
+    assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "digits-checkpoints"}} in \
+        job["spec"]["template"]["spec"]["volumes"]
+
+    custom(client).patch_namespaced_custom_object(
+        "hivekeeper.dev", "v1alpha1", NS, "swarms", "digits",
+        {"spec": {"trainers": {"placement": {"volumes": [{"name": "config", "emptyDir": {}}]}}}},
+        _content_type="application/merge-patch+json")
+    status = wait_for(lambda: (s := cluster.object("hivekeeper.dev/v1alpha1/swarms", NS, "digits").get("status") or {})
+                      .get("phase") == "Invalid" and s, what="Invalid")
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "InvalidSpec" and "volume 'config' is one of hivekeeper's own" in ready["message"]
+    # The trainers' StatefulSet stays as it was planned last (Kubernetes would refuse two volumes 'config').
+    trainers = cluster.object(STS, NS, "digits-trainer")["spec"]["template"]["spec"]
+    assert {"name": "config", "emptyDir": {}} not in trainers["volumes"]

@@ -27,7 +27,7 @@ BUILTIN_PLURALS = {
 
 
 def crd_documents() -> list[dict]:
-    paths = sorted((REPO / "crds").glob("*.yaml")) + sorted((REPO / "charts" / "hivekeeper" / "crds").glob("*.yaml"))
+    paths = sorted((REPO / "crds").glob("*.yaml")) + sorted((REPO / "charts" / "hivekeeper" / "files" / "crds").glob("*.yaml"))
     assert paths, "no generated CRDs"
     return [yaml.safe_load(path.read_text()) for path in paths]
 

@@ -1,9 +1,9 @@
 """A thin, dict-based client over the official `kubernetes` client's connection (auth, TLS,
-in-cluster or kubeconfig), and the idempotent apply of child objects.
+in-cluster or kubeconfig), and the apply of child objects.
 
-Objects stay plain dicts from end to end: the children are built as dicts, compared by hash,
-and patched with explicit content types (the generated client picks JSON-patch for every
-PATCH, whatever the body)."""
+Objects stay plain dicts from end to end: the children are built as dicts and server-side
+applied with explicit content types (the generated client picks JSON-patch for every PATCH,
+whatever the body)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,11 @@ from typing import Any, Callable
 log = logging.getLogger("hivekeeper.operator")
 
 MANAGED_BY = "hivekeeper-operator"
-HASH_ANNOTATION = "hivekeeper.dev/applied-hash"
+FIELD_MANAGER = MANAGED_BY  # server-side apply: the fields the operator owns on its children
 # On a replaced kind (a Job): the hash of its immutable pod template. A change that leaves the
-# template as it is (a finished run's `suspend`) is patched: replacing the Job would start the
+# template as it is (a finished run's `suspend`) is applied: replacing the Job would start the
 # run over, and on a real cluster the operator then looped, suspending and re-running it.
 TEMPLATE_HASH_ANNOTATION = "hivekeeper.dev/template-hash"
-MUTABLE_SPEC_FIELDS = {"Job": ("suspend", "parallelism")}
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 
 # apiVersion/kind -> (API prefix, plural)
@@ -38,6 +37,8 @@ RESOURCES: dict[tuple[str, str], tuple[str, str]] = {
     ("batch/v1", "Job"): ("apis/batch/v1", "jobs"),
     ("policy/v1", "PodDisruptionBudget"): ("apis/policy/v1", "poddisruptionbudgets"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"): ("apis/monitoring.coreos.com/v1", "servicemonitors"),
+    ("v1", "Event"): ("api/v1", "events"),
+    ("coordination.k8s.io/v1", "Lease"): ("apis/coordination.k8s.io/v1", "leases"),
 }
 
 
@@ -129,9 +130,19 @@ class Kube:
     def create(self, obj: dict) -> dict:
         return self.request("POST", self.path(obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"]), body=obj)
 
-    def json_patch(self, api_version: str, kind: str, namespace: str, name: str, ops: list[dict]) -> dict:
-        return self.request("PATCH", self.path(api_version, kind, namespace, name), body=ops,
-                            content_type="application/json-patch+json")
+    def apply(self, obj: dict, field_manager: str = FIELD_MANAGER) -> dict:
+        """Server-side apply: the object is created, or its fields are set to these values and the
+        fields this manager set before and no longer sets are removed. `force` takes over fields
+        another manager changed since (a hand edit), so they come back to the applied values."""
+        meta = obj["metadata"]
+        return self.request("PATCH", self.path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]),
+                            body=obj, content_type="application/apply-patch+yaml",
+                            query={"fieldManager": field_manager, "force": "true"})
+
+    def replace(self, obj: dict) -> dict:
+        """PUT: a whole-object update, refused (409) unless metadata.resourceVersion is still the live one."""
+        meta = obj["metadata"]
+        return self.request("PUT", self.path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]), body=obj)
 
     def merge_patch(self, path: str, patch: dict) -> dict:
         return self.request("PATCH", path, body=patch, content_type="application/merge-patch+json")
@@ -166,18 +177,20 @@ class Kube:
 
 
 # ---------------------------------------------------------------------------------------------
-# Idempotent apply
+# Apply
 
 
 def object_hash(obj: dict) -> str:
-    """A stable hash of what the operator wants an object to be (its own annotation excluded)."""
-    clean = json.loads(json.dumps(obj))
-    clean.get("metadata", {}).get("annotations", {}).pop(HASH_ANNOTATION, None)
-    return hashlib.sha256(json.dumps(clean, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    """A stable hash of a JSON-like value."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def _controller(meta: dict) -> dict | None:
     return next((o for o in meta.get("ownerReferences") or [] if o.get("controller")), None)
+
+
+def _resource_version(obj: dict | None) -> str | None:
+    return ((obj or {}).get("metadata") or {}).get("resourceVersion")
 
 
 class NameConflict(Exception):
@@ -190,17 +203,20 @@ class ApplyResult:
     name: str
     action: str  # created | patched | replaced | unchanged
     live: dict
+    previous: dict | None = None  # the object before this apply (None: it did not exist)
 
 
 class Applier:
-    """Create or update child objects so they match what the operator wants, touching nothing
-    that already matches (the hash annotation records what was last applied), and leaving
-    fields other controllers own (status, defaulted fields, others' labels) alone.
+    """Server-side apply of child objects with the operator as field manager: every apply sets
+    the fields the operator wants and removes those it no longer wants, and leaves alone the
+    fields other managers own (status, defaulted fields, others' labels and annotations). A hand
+    edit of a field the operator sets is taken back at the next apply. A write that changes
+    nothing leaves the resourceVersion as it was: `on_write(kind, action)` counts only the
+    applies that created or changed an object, and deletes (metrics, tests).
 
-    `recreate_kinds` are replaced (deleted and created) on change: a Job's pod template is
-    immutable. `create_only_kinds` are made once and then left as they are: a bound claim's spec
-    is immutable, and replacing it would lose its data. `on_write(kind, action)` counts writes
-    for metrics and tests."""
+    `recreate_kinds` are replaced (deleted and created) when their pod template changes: a Job's
+    is immutable. `create_only_kinds` are made once and then left as they are: a bound claim's
+    spec is immutable, and replacing it would lose its data."""
 
     def __init__(self, kube: Kube, recreate_kinds: frozenset[str] = frozenset({"Job"}),
                  create_only_kinds: frozenset[str] = frozenset({"PersistentVolumeClaim"}),
@@ -214,65 +230,41 @@ class Applier:
         api_version, kind, namespace, name = desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"]
         if kind in self.recreate_kinds:
             meta.setdefault("annotations", {})[TEMPLATE_HASH_ANNOTATION] = object_hash(desired["spec"]["template"])
-        digest = object_hash(desired)
-        meta.setdefault("annotations", {})[HASH_ANNOTATION] = digest
         live = self.kube.get(api_version, kind, namespace, name)
-        if live is None:
-            return self._create(desired)
-        live_meta = live.get("metadata", {})
+        if live is not None:
+            self._check_ours(desired, live)
+        if kind in self.create_only_kinds:
+            if live is not None:
+                return ApplyResult(kind, name, "unchanged", live, live)
+            created = self.kube.create(desired)
+            self.on_write(kind, "create")
+            return ApplyResult(kind, name, "created", created)
+        replaced = live is not None and kind in self.recreate_kinds and \
+            (live["metadata"].get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION) != \
+            meta["annotations"][TEMPLATE_HASH_ANNOTATION]
+        if replaced:
+            self.kube.delete(api_version, kind, namespace, name)
+            self.on_write(kind, "delete")
+        applied = self.kube.apply(desired)
+        if live is None or replaced:
+            self.on_write(kind, "create")
+            return ApplyResult(kind, name, "replaced" if replaced else "created", applied, live)
+        if _resource_version(applied) == _resource_version(live):
+            return ApplyResult(kind, name, "unchanged", applied, live)
+        self.on_write(kind, "patch")
+        return ApplyResult(kind, name, "patched", applied, live)
+
+    @staticmethod
+    def _check_ours(desired: dict, live: dict) -> None:
+        """Refuse an object someone else made under a child's name, or a child of another resource."""
+        meta, live_meta = desired["metadata"], live.get("metadata", {})
+        where = f"{desired['kind']} {meta['namespace']}/{meta['name']}"
         if (live_meta.get("labels") or {}).get(LABEL_MANAGED_BY) != MANAGED_BY:
-            raise NameConflict(f"{kind} {namespace}/{name} exists and is not managed by hivekeeper")
+            raise NameConflict(f"{where} exists and is not managed by hivekeeper")
         wanted_owner, live_owner = _controller(meta), _controller(live_meta)
         if wanted_owner and live_owner and (live_owner.get("kind"), live_owner.get("name")) != (
                 wanted_owner.get("kind"), wanted_owner.get("name")):
-            raise NameConflict(f"{kind} {namespace}/{name} belongs to {live_owner.get('kind')} "
-                               f"{live_owner.get('name')!r}")
-        if (live_meta.get("annotations") or {}).get(HASH_ANNOTATION) == digest or kind in self.create_only_kinds:
-            return ApplyResult(kind, name, "unchanged", live)
-        ops = self._metadata_ops(meta, live_meta)
-        if kind in self.recreate_kinds:
-            same_template = (live_meta.get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION) == \
-                meta["annotations"][TEMPLATE_HASH_ANNOTATION]
-            if not same_template:
-                self.kube.delete(api_version, kind, namespace, name)
-                self.on_write(kind, "delete")
-                result = self._create(desired)
-                result.action = "replaced"
-                return result
-            ops += [{"op": "add", "path": f"/spec/{field}", "value": desired["spec"][field]}
-                    for field in MUTABLE_SPEC_FIELDS.get(kind, ()) if field in desired["spec"]]
-        else:
-            ops += [{"op": "add", "path": f"/{field}", "value": value} for field, value in desired.items()
-                    if field not in ("apiVersion", "kind", "metadata", "status")]
-        live = self.kube.json_patch(api_version, kind, namespace, name, ops)
-        self.on_write(kind, "patch")
-        return ApplyResult(kind, name, "patched", live)
-
-    @staticmethod
-    def _metadata_ops(meta: dict, live_meta: dict) -> list[dict]:
-        """Our labels, annotations and owners onto the live object, keeping everyone else's."""
-        ops = []
-        for field in ("labels", "annotations"):
-            if live_meta.get(field) is None:
-                ops.append({"op": "add", "path": f"/metadata/{field}", "value": {}})
-            for key, value in (meta.get(field) or {}).items():  # the key as a JSON pointer token
-                ops.append({"op": "add", "path": f"/metadata/{field}/{key.replace('~', '~0').replace('/', '~1')}",
-                            "value": value})
-        ops.append({"op": "add", "path": "/metadata/ownerReferences", "value": meta.get("ownerReferences", [])})
-        return ops
-
-    def _create(self, desired: dict) -> ApplyResult:
-        meta = desired["metadata"]
-        try:
-            live = self.kube.create(desired)
-        except KubeError as e:
-            if e.status != 409:
-                raise
-            # Another writer (a previous operator instance) got there first: converge on the next pass.
-            live = self.kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"]) or desired
-            return ApplyResult(desired["kind"], meta["name"], "unchanged", live)
-        self.on_write(desired["kind"], "create")
-        return ApplyResult(desired["kind"], meta["name"], "created", live)
+            raise NameConflict(f"{where} belongs to {live_owner.get('kind')} {live_owner.get('name')!r}")
 
     def delete_if_managed(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         live = self.kube.get(api_version, kind, namespace, name)

@@ -11,7 +11,10 @@ A Job's pod (a role whose exit ends the run: a Swarm's monitor, a BlockServer's 
 runs `hivekeeper run` as a child instead, passing SIGTERM and SIGINT on, and after a successful
 exit puts the role's final report (RUN_DIR/result.json, compacted) in the container's
 termination message: the pod's emptyDir goes with it, and the operator reads the run's final
-figures from there (`readers.final_report_of`)."""
+figures from there (`readers.final_report_of`). A role stopped by a signal exits 0 (a clean
+shutdown), but its pod must not succeed: the Job would count the run as done. It exits
+128 + the signal instead, and the Job starts the role again in a new pod (a drained node, a
+deleted pod)."""
 
 from __future__ import annotations
 
@@ -65,13 +68,20 @@ def supervise(executable: str, command: list[str], termination_log: str) -> int:
     if run_dir is not None:  # an earlier container of this pod may have left one (the emptyDir stays)
         (run_dir / "result.json").unlink(missing_ok=True)
     child = subprocess.Popen(command, executable=executable)
-    previous = {sig: signal.signal(sig, lambda number, _frame: child.send_signal(number))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+    stopped_by: list[int] = []
+
+    def pass_on(number: int, _frame) -> None:
+        stopped_by.append(number)
+        child.send_signal(number)
+
+    previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         code = child.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if code == 0 and stopped_by:  # stopped before the run ended
+        return 128 + stopped_by[0]
     if code == 0 and run_dir is not None:
         try:
             Path(termination_log).write_text(final_report_message(json.loads((run_dir / "result.json").read_text())))

@@ -12,13 +12,13 @@ Children of a resource NAME (owned by it, labelled hivekeeper.dev/swarm=NAME), o
                                    Indexed Job for roles whose exit ends the run (index =
                                    completion index), so a successful exit is not restarted
   NAME-BACKBONE       PodDisruptionBudget (minAvailable: 1) for the bootstrap peers
-  NAME-checkpoints    PersistentVolumeClaim (spec.checkpoint.volumeClaim, `storage.py`)
+  NAME-checkpoints    PersistentVolumeClaim (a monitor's or expert servers' volumeClaim, `storage.py`)
   volunteers          Secrets and external Services (spec.volunteers, `volunteers.py`)
   NAME                ServiceMonitor, when the Prometheus Operator's CRD is installed
 
 A pod template carries a hash of what its role reads at start (the spec sections it reads, less
-the counts and resources the template states, and its arguments), so a spec change rolls
-exactly the components it concerns, and scaling rolls nothing."""
+the counts, resources and placement the template states, and its arguments), so a spec change
+rolls exactly the components it concerns, and scaling rolls nothing."""
 
 from __future__ import annotations
 
@@ -36,13 +36,14 @@ from hivekeeper.topology import METRICS, Role, relay_maddrs, volunteer_info
 from hivekeeper_operator import pods, volunteers
 from hivekeeper_operator.network import CONFIG_DIR, P2P_PORT, RUN_DIR, KubernetesNetwork
 from hivekeeper_operator.pods import LABEL_INSTANCE, LABEL_METRICS, WorkloadSettings, child_name
-from hivekeeper_operator.storage import CheckpointStorage, checkpoint_storage
+from hivekeeper_operator.storage import Storage, storage_of
 from hivekeeper_operator.volunteers import VolunteerAccess
 
 MANIFEST_PATH = f"{CONFIG_DIR}/manifest.json"
 SWARM_INFO = "swarm-info.json"
 JOB_BACKOFF_LIMIT = 10
 _UNKNOWN_PEER = "QmUnknownPeerOfAScaledUpSample"  # a sample's extra identity (never a pod's)
+PLACEMENT = "placement"  # the spec-wide and every group's: stated by the pod template
 
 
 @dataclass(frozen=True)
@@ -143,15 +144,16 @@ def components_of(kind: KindRuntime, roles: list[Role], sample: list[Role]) -> l
 
 def config_hash(manifest: Manifest, kind: KindRuntime, component: Component, info: dict[str, Any] | None) -> str:
     """What a component's pods read at start: the spec sections it reads (`section_readers`;
-    every section, by default) less the counts and resources the template states, except for
-    components whose roles depend on the counts (`scale_restarts`); its first role's arguments;
-    and the swarm info, if its arguments name that file."""
+    every section, by default) less the counts, resources and placement the template states,
+    except for the counts of components whose roles depend on them (`scale_restarts`); its first
+    role's arguments; and the swarm info, if its arguments name that file."""
     read: dict[str, Any] = {}
     for section, value in rendered_manifest(manifest)["spec"].items():
-        if component.name not in kind.section_readers.get(section, (component.name,)):
+        if section == PLACEMENT or component.name not in kind.section_readers.get(section, (component.name,)):
             continue
         if isinstance(value, dict):
-            dropped = ("resources",) if component.name in kind.scale_restarts else ("resources", "replicas")
+            dropped = (("resources", PLACEMENT) if component.name in kind.scale_restarts
+                       else ("resources", PLACEMENT, "replicas"))
             value = {k: v for k, v in value.items() if k not in dropped}
         read[section] = value
     payload: dict[str, Any] = {"spec": read, "args": list(component.template.args)}
@@ -172,7 +174,7 @@ class Draft:
     network: KubernetesNetwork
     door: VolunteersSpec | None
     info: dict[str, Any] | None
-    storage: CheckpointStorage | None
+    storage: list[Storage]
 
     @property
     def name(self) -> str:
@@ -207,8 +209,8 @@ def access(d: Draft) -> list[dict[str, Any]]:
                                    "statefulset.kubernetes.io/pod-name": f"{child_name(name, component)}-{index}"})
 
 
-def checkpoint_claim(d: Draft) -> list[dict[str, Any]]:
-    return [d.storage.claim] if d.storage is not None and d.storage.claim is not None else []
+def claims(d: Draft) -> list[dict[str, Any]]:
+    return [s.claim for s in d.storage if s.claim is not None]
 
 
 def services(d: Draft) -> list[dict[str, Any]]:
@@ -222,17 +224,19 @@ def workloads(d: Draft) -> list[dict[str, Any]]:
     completed = d.request.completed
     for c in d.components:
         keys = c.template.name in d.request.peer_ids  # an identity role: its key is in the keys Secret
-        meta = d.meta(child_name(d.name, c.name), c.name)
+        meta = d.meta(child_name(d.name, c.name), c.name, c.template.placement.labels)
+        if c.template.placement.annotations:
+            meta["annotations"] = dict(c.template.placement.annotations)
+        volumes = tuple((s.volume, s.mount) for s in d.storage if c.name in s.components)
         if c.job:
             template = pods.pod_template(d.name, c.template, d.hashes[c.name], d.request.settings, grace, keys=keys,
-                                         restart_policy="OnFailure", door=d.door)
+                                         restart_policy="OnFailure", door=d.door, extra_volumes=volumes)
             out.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": {
                 "completionMode": "Indexed", "completions": c.replicas, "parallelism": c.replicas,
                 "backoffLimit": JOB_BACKOFF_LIMIT, "suspend": completed, "template": template}})
             continue
-        mounted = d.storage is not None and d.storage.component == c.name
         template = pods.pod_template(d.name, c.template, d.hashes[c.name], d.request.settings, grace, keys=keys,
-                                     door=d.door, extra_volumes=((d.storage.volume, d.storage.mount),) if mounted else ())
+                                     door=d.door, extra_volumes=volumes)
         out.append({"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta, "spec": {
             "serviceName": child_name(d.name, c.name), "replicas": 0 if completed else c.replicas,
             "podManagementPolicy": "Parallel",  # backbone peers bootstrap from each other
@@ -250,14 +254,17 @@ def disruption_budgets(d: Draft) -> list[dict[str, Any]]:
 def service_monitor(d: Draft) -> list[dict[str, Any]]:
     if not d.request.service_monitor:
         return []
-    return [{"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": d.meta(d.name),
+    meta = d.meta(d.name)
+    # The configured labels (Prometheus's serviceMonitorSelector), never overriding a child's own.
+    meta["labels"] = {**dict(d.request.settings.service_monitor_labels), **meta["labels"]}
+    return [{"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": meta,
              "spec": {"selector": {"matchLabels": {LABEL_INSTANCE: d.name, LABEL_METRICS: "true"}},
                       "endpoints": [{"port": METRICS, "path": "/metrics",
                                      "interval": d.request.settings.service_monitor_interval}]}}]
 
 
 CHILDREN: tuple[Callable[[Draft], list[dict[str, Any]]], ...] = (
-    config_map, access, checkpoint_claim, services, workloads, disruption_budgets, service_monitor)
+    config_map, access, claims, services, workloads, disruption_budgets, service_monitor)
 # What the owner scan lists to find children no longer planned. The ConfigMap and the
 # ServiceMonitor (while its CRD is served) are always planned; Secrets are found through the keys
 # Secret's record (never listed); a claim is never deleted while its owner exists.
@@ -279,7 +286,7 @@ def plan(request: Request) -> Plan:
     info = volunteer_info(manifest, network, relays, plan_signer=peer_ids.get(volunteers.PLAN_SIGNER)) if door else None
     draft = Draft(request, kind, roles, components,
                   {c.name: config_hash(manifest, kind, c, info) for c in components}, network, door, info,
-                  checkpoint_storage(manifest, lambda name, component: pods.metadata(request.owner, name, component)))
+                  storage_of(manifest, lambda name, component: pods.metadata(request.owner, name, component)))
     rest = [child for make in CHILDREN for child in make(draft)]
     secrets = [c["metadata"]["name"] for c in rest if c["kind"] == "Secret"]
     initial_peers = [network.backbone_maddr(r.index, P2P_PORT, peer_ids[r.name], r.component)

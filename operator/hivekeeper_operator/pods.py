@@ -1,6 +1,6 @@
 """Names, labels and the object shapes every kind's children share: the headless Service of a
 component and the pod template its pods run (`python -m hivekeeper_operator.launch`, which
-picks the pod's own role from the ConfigMap)."""
+picks the pod's own role from the ConfigMap), placed as its role group's placement asks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hivekeeper import API_GROUP, API_VERSION
+from hivekeeper.errors import UserError
 from hivekeeper.spec.common import Resources
+from hivekeeper.spec.placement import Placement
 from hivekeeper.spec.volunteers import VolunteersSpec
 from hivekeeper.topology import GRPC, METRICS, P2P, Role
 
@@ -29,6 +31,11 @@ LABEL_METRICS = "hivekeeper.dev/metrics"
 # grants no `list` on them), so the owner scan finds the ones to delete here.
 SECRETS_ANNOTATION = "hivekeeper.dev/owned-secrets"
 RUN_AS = 10001
+LAUNCHER_ENV = ("JOB_COMPLETION_INDEX",)  # set by Kubernetes in a Job's pods; the launcher reads it
+
+
+class PlacementConflict(UserError):
+    """A placement names a volume, mount path or variable hivekeeper's own pods use."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,8 @@ class WorkloadSettings:
     cluster_domain: str = "cluster.local"
     shm_size: str = "1Gi"
     service_monitor_interval: str = "15s"
+    # On each resource's ServiceMonitor, for Prometheus's serviceMonitorSelector (kube-prometheus-stack: release).
+    service_monitor_labels: tuple[tuple[str, str], ...] = ()
     progress_deadline_seconds: float = 600.0
 
 
@@ -121,9 +130,9 @@ def service(meta: dict[str, Any], name: str, component: str, role: Role) -> dict
 def quantity_resources(resources: Resources) -> dict[str, Any]:
     requests: dict[str, Any] = {"cpu": resources.cpu, "memory": resources.memory}
     out: dict[str, Any] = {"requests": requests}
-    if resources.gpu:
-        requests["nvidia.com/gpu"] = resources.gpu
-        out["limits"] = {"nvidia.com/gpu": resources.gpu}
+    if resources.gpu:  # an extended resource: its request must equal its limit
+        requests[resources.gpu_resource] = resources.gpu
+        out["limits"] = {resources.gpu_resource: resources.gpu}
     return out
 
 
@@ -145,11 +154,55 @@ def _access_volumes(name: str, role: Role, door: VolunteersSpec) -> list[tuple[d
     return out
 
 
+def check_own_names(component: str, pairs: list[tuple[dict[str, Any], dict[str, Any]]], env: list[dict[str, Any]],
+                    placement: Placement) -> None:
+    """A placement's volumes, mounts and variables beside the pod's own: no name or mount path
+    taken twice, and no mount inside a read-only volume of the pod's own (it could not be made)."""
+    where = f"placement of the {component} pods"
+    own_volumes = sorted(volume["name"] for volume, _ in pairs)
+    for volume in placement.volumes:
+        if volume.name in own_volumes:
+            raise PlacementConflict(f"{where}: volume {volume.name!r} is one of hivekeeper's own "
+                                    f"({', '.join(own_volumes)}); rename it")
+    for mount in placement.volume_mounts:
+        for _, own in pairs:
+            inside = mount.mount_path.startswith(own["mountPath"].rstrip("/") + "/") and own.get("readOnly")
+            if mount.mount_path == own["mountPath"] or inside:
+                raise PlacementConflict(f"{where}: mountPath {mount.mount_path} is {'inside ' if inside else ''}"
+                                        f"hivekeeper's own {own['name']} volume at {own['mountPath']}; mount elsewhere")
+    own_env = sorted({variable["name"] for variable in env} | set(LAUNCHER_ENV))
+    for variable in placement.env:
+        if variable.name in own_env:
+            raise PlacementConflict(f"{where}: env {variable.name} is set by hivekeeper ({', '.join(own_env)})")
+
+
+def _place(template: dict[str, Any], placement: Placement) -> None:
+    """The placement's scheduling fields, labels, annotations, variables and volumes onto a pod
+    template whose own names it was checked against."""
+    meta, spec = template["metadata"], template["spec"]
+    container = spec["containers"][0]
+    meta["labels"] = {**placement.labels, **meta["labels"]}
+    meta["annotations"] = {**placement.annotations, **meta["annotations"]}
+    if placement.node_selector:
+        spec["nodeSelector"] = dict(placement.node_selector)
+    if placement.tolerations:
+        spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in placement.tolerations]
+    if placement.affinity is not None:
+        spec["affinity"] = placement.affinity
+    if placement.priority_class_name:
+        spec["priorityClassName"] = placement.priority_class_name
+    if placement.scheduler_name:
+        spec["schedulerName"] = placement.scheduler_name
+    container["env"] += [e.model_dump(by_alias=True, exclude_none=True) for e in placement.env]
+    container["volumeMounts"] += [m.model_dump(by_alias=True, exclude_none=True) for m in placement.volume_mounts]
+    spec["volumes"] += [v.model_dump(by_alias=True) for v in placement.volumes]
+
+
 def pod_template(name: str, role: Role, config_hash: str, settings: WorkloadSettings, grace: int, *,
                  keys: bool, restart_policy: str = "Always", door: VolunteersSpec | None = None,
                  extra_volumes: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = ()) -> dict[str, Any]:
-    """The pod of one of a component's roles (`role` stands for them all). `extra_volumes`:
-    (volume, mount) pairs besides the usual ones (an ExpertPool's checkpoint claim)."""
+    """The pod of one of a component's roles (`role` stands for them all), with its placement.
+    `extra_volumes`: (volume, mount) pairs besides the usual ones (the kind's `storage`)."""
     component = role.component
     pairs: list[tuple[dict[str, Any], dict[str, Any]]] = [
         ({"name": "config", "configMap": {"name": config_map_name(name)}},
@@ -202,4 +255,8 @@ def pod_template(name: str, role: Role, config_hash: str, settings: WorkloadSett
     }
     if settings.image_pull_secrets:
         spec["imagePullSecrets"] = [{"name": s} for s in settings.image_pull_secrets]
-    return {"metadata": {"labels": labels(name, component), "annotations": {CONFIG_HASH: config_hash}}, "spec": spec}
+    check_own_names(component, pairs, container["env"], role.placement)
+    template = {"metadata": {"labels": labels(name, component), "annotations": {CONFIG_HASH: config_hash}},
+                "spec": spec}
+    _place(template, role.placement)
+    return template

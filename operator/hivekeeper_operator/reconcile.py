@@ -1,6 +1,7 @@
 """The reconciler, one for every kind: read a resource, ask the planner what should exist,
-apply it, delete what its owner scan finds no longer planned, and write what was observed back
-as status. The kopf handlers and the periodic resync both call `Reconciler.reconcile`."""
+apply it, delete what its owner scan finds no longer planned, write what was observed back as
+status, and tell what changed or failed in Events on the resource. The kopf handlers and the
+periodic resync both call `Reconciler.reconcile`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from hivekeeper.spec.crd import KINDS
 
 from hivekeeper_operator import identity, pods, readers, volunteers
 from hivekeeper_operator.conditions import now_rfc3339
-from hivekeeper_operator.kube import LABEL_MANAGED_BY, MANAGED_BY, Applier, Kube, KubeError, NameConflict, register_resource
+from hivekeeper_operator.events import NORMAL, WARNING, EventRecorder
+from hivekeeper_operator.kube import (LABEL_MANAGED_BY, MANAGED_BY, Applier, ApplyResult, Kube, KubeError, NameConflict,
+                                     register_resource)
+from hivekeeper_operator.leader import LeaderElection
 from hivekeeper_operator.metrics import OperatorMetrics
 from hivekeeper_operator.plan import SCANNED, Plan, Request, door_of, plan, render_roles
 from hivekeeper_operator.pods import API, WorkloadSettings
@@ -38,6 +42,7 @@ class OperatorConfig:
     key_generator: identity.KeyGenerator = identity.generate_key
     kubeconfig: str | None = None
     kinds: tuple[str, ...] = ("Swarm", "BlockServer", "ExpertPool")
+    leader_election: LeaderElection | None = None  # None: this replica always leads
 
 
 def _managed(obj: dict[str, Any] | None) -> bool:
@@ -45,10 +50,11 @@ def _managed(obj: dict[str, Any] | None) -> bool:
 
 
 class Reconciler:
-    """One kind's resources: locking per object, metrics, status writes."""
+    """One kind's resources: locking per object, metrics, status writes, Events."""
 
-    def __init__(self, kind: str, kube: Kube, config: OperatorConfig, metrics: OperatorMetrics):
-        self.kind, self.kube, self.config, self.metrics = kind, kube, config, metrics
+    def __init__(self, kind: str, kube: Kube, config: OperatorConfig, metrics: OperatorMetrics,
+                 events: EventRecorder):
+        self.kind, self.kube, self.config, self.metrics, self.events = kind, kube, config, metrics, events
         self.plural = KINDS[kind].plural
         register_resource(API, kind, self.plural)
         self.applier = Applier(kube, on_write=lambda child, action: metrics.writes.labels(kind, child, action).inc())
@@ -69,16 +75,20 @@ class Reconciler:
         """Bring one resource's children and status up to date; returns its phase."""
         started = time.perf_counter()
         with self._lock(namespace, name):
+            obj = None
             try:
                 obj = self.kube.get(API, self.kind, namespace, name)
                 if obj is None or obj.get("metadata", {}).get("deletionTimestamp"):
                     result = None  # gone or going: owner references take the children with it
                 else:
                     result = self.reconcile_object(obj)
+                    self._phase_event(obj, result)
             except Exception as e:
                 reason = type(e).__name__ if not isinstance(e, KubeError) else f"HTTP{e.status}"
                 self.metrics.errors.labels(self.kind, reason).inc()
                 self.metrics.reconciles.labels(self.kind, "error").inc()
+                if obj is not None:
+                    self.events.warning(obj, "ReconcileError", str(e))
                 raise
             finally:
                 self.metrics.duration.labels(self.kind).observe(time.perf_counter() - started)
@@ -97,9 +107,16 @@ class Reconciler:
         self.metrics.status_writes.labels(self.kind).inc()
         return True
 
+    def _phase_event(self, obj: dict[str, Any], phase: str | None) -> None:
+        previous = (obj.get("status") or {}).get("phase")
+        if phase and phase != previous:
+            self.events.record(obj, WARNING if phase in ("Failed", "Invalid") else NORMAL, "PhaseChanged",
+                               f"{previous} -> {phase}" if previous else phase)
+
     def _invalid(self, obj: dict[str, Any], message: str, reason: str = "InvalidSpec") -> str:
         meta = obj["metadata"]
         self.write_status(obj, invalid_status(meta.get("generation"), obj.get("status"), now_rfc3339(), message, reason))
+        self.events.warning(obj, reason, message)
         log.warning("invalid spec", extra={"fields": {"resource": f"{self.kind} {meta['namespace']}/{meta['name']}",
                                                       "error": message}})
         return "Invalid"
@@ -121,8 +138,7 @@ class Reconciler:
         keys_data, peer_ids = identity.ensure_role_keys(existing, identities, self.config.key_generator)
         recorded = pods.owned_secrets(secret if _managed(secret) else None)
         if secret is None or keys_data != existing:
-            # Stored before anything names them; if another writer (an operator instance that is
-            # shutting down) stored different ones first, theirs win.
+            # Stored before anything names them, and read back from what was stored.
             try:
                 live = self.applier.apply(pods.keys_secret(obj, keys_data, sorted(recorded))).live
             except NameConflict as e:
@@ -133,7 +149,10 @@ class Reconciler:
             "monitoring.coreos.com/v1", "servicemonitors")
         request = Request(obj, manifest, peer_ids, keys_data, self.config.settings,
                           access=self._volunteer_access(manifest, peer_ids), service_monitor=service_monitor)
-        wanted = plan(request)
+        try:
+            wanted = plan(request)
+        except UserError as e:  # a placement naming a volume, mount or variable of the pods' own
+            return self._invalid(obj, str(e))
         jobs = {c.name: self.kube.get("batch/v1", "Job", namespace, pods.child_name(name, c.name))
                 for c in wanted.components if c.job}
         completed = run_completed(wanted, jobs)
@@ -141,6 +160,8 @@ class Reconciler:
             wanted = plan(replace(request, completed=True))
 
         workloads, error, error_reason = self._apply(wanted, request)
+        if error:
+            self.events.warning(obj, error_reason, error)
         self._delete_unwanted(obj, wanted, recorded)
         status = resource_status(
             kind=self.kind, generation=meta.get("generation"), previous=obj.get("status"), now=now_rfc3339(),
@@ -163,12 +184,23 @@ class Reconciler:
                 error, reason = str(e), "NameConflict"
                 continue
             if child["kind"] in ("StatefulSet", "Job"):
-                workloads[child["metadata"]["labels"][pods.LABEL_COMPONENT]] = result.live
+                component = child["metadata"]["labels"][pods.LABEL_COMPONENT]
+                workloads[component] = result.live
+                self._scale_event(request.owner, component, result)
             if door is not None and child["kind"] == "Service" and child["metadata"]["name"] == gateway \
                     and not wanted.volunteer_gateway:
                 host = volunteers.ingress_host(result.live)
                 wanted.volunteer_gateway = f"{host}:{door.gateway_port}" if host else None
         return workloads, error, reason
+
+    def _scale_event(self, owner: dict[str, Any], component: str, result: ApplyResult) -> None:
+        """A component's pod count changed: the resource was scaled, a run ended (zero), or a
+        hand-scaled StatefulSet was set back to the resource's count."""
+        if result.kind != "StatefulSet" or result.previous is None:
+            return
+        before, after = result.previous["spec"].get("replicas"), result.live["spec"].get("replicas")
+        if before != after:
+            self.events.normal(owner, "Scaled", f"{component}: {before} -> {after} replicas")
 
     def _delete_unwanted(self, owner: dict[str, Any], wanted: Plan, recorded_secrets: set[str]) -> None:
         """The owner scan: children of this resource the plan no longer has (a component
@@ -235,8 +267,10 @@ class Reconciler:
         return reports
 
 
-def controllers(kube: Kube, config: OperatorConfig, metrics: OperatorMetrics) -> dict[str, Reconciler]:
+def controllers(kube: Kube, config: OperatorConfig, metrics: OperatorMetrics,
+                events: EventRecorder | None = None) -> dict[str, Reconciler]:
     unknown = [k for k in config.kinds if k not in KINDS]
     if unknown:
         raise ValueError(f"no reconciler for kinds: {', '.join(unknown)}")
-    return {kind: Reconciler(kind, kube, config, metrics) for kind in config.kinds}
+    events = events or EventRecorder(kube)
+    return {kind: Reconciler(kind, kube, config, metrics, events) for kind in config.kinds}

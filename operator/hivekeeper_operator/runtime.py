@@ -1,9 +1,12 @@
 """The operator process: kopf watches the hivekeeper resources and reacts to every change at
 once; a resync loop reconciles every resource every few seconds (pods become ready, the
-monitor's figures move, a child is deleted). Both call the same reconcilers, which re-create a
-deleted child and re-apply one whose hivekeeper.dev/applied-hash annotation differs from the
-plan's; a hand edit that leaves that annotation as it was is not seen, so it is not repaired.
-An HTTP endpoint serves /metrics, /healthz and /readyz.
+monitor's figures move, a child is deleted or edited by hand). Both call the same reconcilers,
+which server-side apply every child: a deleted child is made again, a hand edit of a field the
+operator sets is set back. An HTTP endpoint serves /metrics, /healthz and /readyz.
+
+With leader election, only the replica that holds the Lease runs kopf and the resync loop; the
+others stand by (alive and ready) until it is theirs. A leader that loses the Lease stops
+reconciling at once; one that stops cleanly finishes its reconciles and releases the Lease.
 
 kopf's timers would add a finalizer to every resource (deleting one would then need a running
 operator); the resync loop needs none: children go with their owner through ownerReferences."""
@@ -15,19 +18,22 @@ import logging
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import kopf
 
 from hivekeeper import API_GROUP, API_VERSION
 from hivekeeper.service import ServiceEndpoint
 
+from hivekeeper_operator.events import EventRecorder
 from hivekeeper_operator.kube import Kube
+from hivekeeper_operator.leader import LeaderElector, Leadership, LeadershipLost
 from hivekeeper_operator.metrics import OperatorMetrics
 from hivekeeper_operator.reconcile import OperatorConfig, Reconciler, controllers
 
 log = logging.getLogger("hivekeeper.operator")
 LIVENESS_SECONDS = 60.0
+RELEASE_WAIT_SECONDS = 5.0  # a stopping leader waits this long for its reconciles, then for the release
 
 
 def authorization_header(configuration: Any) -> str | None:
@@ -70,11 +76,21 @@ class OperatorEndpoint(ServiceEndpoint):
 
 
 class Operator:
-    def __init__(self, config: OperatorConfig, kube: Kube | None = None):
+    """`on_lost_leadership(error)` is called when the Lease is lost; by default the operator
+    stops and `stop()` raises the error. The command line ends the process instead."""
+
+    def __init__(self, config: OperatorConfig, kube: Kube | None = None,
+                 on_lost_leadership: Callable[[LeadershipLost], None] | None = None):
         self.config = config
         self.kube = kube or Kube.from_environment(config.kubeconfig)
         self.metrics = OperatorMetrics()
-        self.controllers: dict[str, Reconciler] = controllers(self.kube, config, self.metrics)
+        election = config.leader_election
+        self.elector = LeaderElector(Kube(self.kube.api_client, request_timeout=election.renew_deadline / 2),
+                                     election) if election else None
+        self.leadership = Leadership()
+        self.on_lost_leadership = on_lost_leadership or self._stop_for
+        self.events = EventRecorder(self.kube, instance=election.identity if election else None)
+        self.controllers: dict[str, Reconciler] = controllers(self.kube, config, self.metrics, self.events)
         self.registry = self._build_registry()
         self.stop_flag = threading.Event()
         self.ready_flag = threading.Event()
@@ -102,7 +118,7 @@ class Operator:
     def _register(self, registry: kopf.OperatorRegistry, controller: Reconciler) -> None:
         def handle(namespace: str, name: str, **_: Any) -> None:
             try:
-                controller.reconcile(namespace, name)
+                self.reconcile(controller, namespace, name)
             except Exception as e:
                 raise kopf.TemporaryError(f"{controller.kind} {namespace}/{name}: {e}", delay=10) from e
 
@@ -117,7 +133,7 @@ class Operator:
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=API_GROUP, key="last-handled-configuration")
         settings.persistence.finalizer = f"{API_GROUP}/finalizer"  # used only if a handler ever needs one
-        settings.posting.level = logging.WARNING  # events for failures, not for every success
+        settings.posting.enabled = False  # the reconcilers write the Events, one per repeated failure
         settings.execution.max_workers = 4
         settings.networking.request_timeout = 30
         settings.watching.server_timeout = 300
@@ -125,6 +141,39 @@ class Operator:
         # CustomResourceDefinitions (a cluster-scoped permission a namespaced install lacks).
         settings.scanning.disabled = True
         return settings
+
+    # -- reconciling, while leading ----------------------------------------------------------
+
+    def reconcile(self, controller: Reconciler, namespace: str, name: str) -> str | None:
+        """One resource's reconcile, if this replica leads (else None)."""
+        if not self.leadership.enter():
+            return None
+        try:
+            return controller.reconcile(namespace, name)
+        finally:
+            self.leadership.leave()
+
+    async def _lead(self) -> None:
+        """Renew the Lease while the operator runs; at a clean stop, release it once the
+        reconciles under way are done (one still running after a while: it expires instead)."""
+        assert self.elector is not None
+        try:
+            await self.elector.keep(self.stop_flag)
+        except LeadershipLost as e:
+            self.leadership.end()
+            log.error("leadership lost", extra={"fields": {"error": str(e)}})
+            self.on_lost_leadership(e)
+            return
+        self.leadership.end()
+        if await asyncio.to_thread(self.leadership.wait_idle, RELEASE_WAIT_SECONDS):
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.elector.release), RELEASE_WAIT_SECONDS)
+            except Exception as e:  # it expires instead
+                log.warning("cannot release the leader lease", extra={"fields": {"error": str(e)}})
+
+    def _stop_for(self, error: LeadershipLost) -> None:
+        self._error = error
+        self.stop_flag.set()
 
     # -- the resync loop ---------------------------------------------------------------------
 
@@ -151,7 +200,7 @@ class Operator:
             for obj in objects:
                 meta = obj.get("metadata", {})
                 try:
-                    phase = await asyncio.to_thread(controller.reconcile, meta.get("namespace"), meta.get("name"))
+                    phase = await asyncio.to_thread(self.reconcile, controller, meta.get("namespace"), meta.get("name"))
                 except Exception as e:
                     log.warning("reconcile failed", extra={"fields": {
                         "kind": kind, "name": f"{meta.get('namespace')}/{meta.get('name')}", "error": str(e)}})
@@ -174,7 +223,9 @@ class Operator:
 
     def status(self) -> dict[str, Any]:
         return {"kinds": list(self.controllers), "namespaces": list(self.config.namespaces) or "all",
-                "kopfReady": self.ready_flag.is_set(), "lastResync": self.last_resync}
+                "kopfReady": self.ready_flag.is_set(), "lastResync": self.last_resync,
+                "leading": self.leadership.leading,
+                **({"identity": self.elector.identity, "leader": self.elector.holder} if self.elector else {})}
 
     def _stop_on_signals(self) -> None:
         """SIGTERM and SIGINT set the stop flag. kopf installs handlers of its own as it starts
@@ -186,23 +237,35 @@ class Operator:
                 loop.add_signal_handler(sig, self.stop_flag.set)
 
     async def main(self) -> None:
-        """Until the stop flag is set (`stop()`, SIGTERM, SIGINT)."""
+        """Until the stop flag is set (`stop()`, SIGTERM, SIGINT) or the Lease is lost."""
         self._stop_on_signals()  # while importing, before kopf starts
         if self.config.metrics_port is not None:
             self.endpoint = OperatorEndpoint(self.metrics.registry, self.config.metrics_host,
                                              self.config.metrics_port, status=self.status).start()
         # Created before kopf starts: kopf would take later tasks for its own hung ones, and
         # keep the shutdown waiting 5 s for them.
-        tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._resync_loop())]
+        tasks = [asyncio.create_task(self._heartbeat())]
+        leading: asyncio.Task | None = None
         try:
+            if self.elector is not None:
+                if self.endpoint:
+                    self.endpoint.ready.set()  # a standby is ready: a rollout goes on while another leads
+                if not await self.elector.acquire(self.stop_flag):
+                    return
+                leading = asyncio.create_task(self._lead())
+            self.leadership.begin()
+            tasks.append(asyncio.create_task(self._resync_loop()))
             await kopf.operator(registry=self.registry, settings=self.kopf_settings(),
                                 clusterwide=not self.config.namespaces, namespaces=list(self.config.namespaces),
-                                standalone=True,  # one replica; no kopf peering CRDs needed
+                                standalone=True,  # leader election is the Lease's, not kopf's peering
                                 stop_flag=self.stop_flag, ready_flag=self.ready_flag)
         finally:
             # However kopf ended (an error; a signal its own handlers caught before ours were back),
             # release its executor thread that waits on the stop flag: asyncio.run joins it.
             self.stop_flag.set()
+            if leading is not None:
+                await leading  # the Lease released, or lost
+            self.leadership.end()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

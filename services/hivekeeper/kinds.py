@@ -1,20 +1,45 @@
 """What each kind of resource runs: the roles (processes locally, pods in a cluster), which of
 them need a key made before anything starts (others must know their peer IDs in advance), and
-the `hivekeeper run` roles it brings. Every kind is a package whose `kind` module exposes its
-`RUNTIME`; the local runner, `hivekeeper run` and the operator look kinds up here."""
+the `hivekeeper run` roles it brings, and the volumes its pods mount in a cluster. Every kind is a
+package whose `kind` module exposes its `RUNTIME`; the local runner, `hivekeeper run` and the
+operator look kinds up here."""
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from hivekeeper.runtime.arguments import RoleEntry
 from hivekeeper.spec import Manifest
+from hivekeeper.spec.storage import VolumeClaimSpec
 from hivekeeper.topology import Network, Role
 
 # (manifest, network, peer IDs of the identity roles by role name, manifest path, run dir) -> roles
 RolesFunction = Callable[[Manifest, Network, dict[str, str], str, str], list[Role]]
+
+
+@dataclass(frozen=True)
+class KindVolume:
+    """A volume some of a kind's pods mount in a cluster (`hivekeeper up` needs none: its roles
+    share the run directory and read paths on the machine): a claim the operator makes once
+    (NAME-VOLUME, owned by the resource), a claim of the user's, or another volume source."""
+
+    name: str  # the pod's volume; the suffix of the claim the operator makes
+    components: tuple[str, ...]  # whose pods mount it
+    mount_path: str
+    read_only: bool = False
+    claim: Optional[VolumeClaimSpec] = None
+    existing_claim: Optional[str] = None
+    source: Optional[dict[str, Any]] = None
+
+
+def claimed_directory(name: str, components: tuple[str, ...], directory: str, claim: Optional[VolumeClaimSpec],
+                      existing_claim: Optional[str]) -> list[KindVolume]:
+    """A directory kept on a claim, where the spec names one (checkpoints)."""
+    if claim is None and existing_claim is None:
+        return []
+    return [KindVolume(name, components, directory, claim=claim, existing_claim=existing_claim)]
 
 
 @dataclass(frozen=True)
@@ -41,6 +66,8 @@ class KindRuntime:
     running_component: Optional[str] = None
     # the component a volunteer runs (`hivekeeper join`); None: the kind takes no volunteers
     volunteer_role: Optional[str] = None
+    # For the operator. (manifest, run dir) -> the volumes its pods mount besides the usual ones
+    volumes: Callable[[Manifest, str], list[KindVolume]] = lambda manifest, run_dir: []
 
 
 # Imported on first use: a kind's module is light, but its roles pull in torch and hivemind.

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from hivekeeper.spec import Manifest
 from hivekeeper.spec.common import Resources
+from hivekeeper.spec.placement import Placement
 from hivekeeper.spec.volunteers import VolunteersSpec
 
 METRICS = "metrics"
@@ -30,6 +31,7 @@ class Role:
     args: tuple[str, ...]  # after `hivekeeper run`
     ports: dict[str, int] = field(default_factory=dict)
     resources: Resources = field(default_factory=Resources)
+    placement: Placement = field(default_factory=Placement)  # its pod's, in a cluster
     restart: bool = True  # restart after a crash
     completes_run: bool = False  # its successful exit means the run is done
     backbone: bool = False  # a bootstrap peer of its kind: others dial it, so it starts first
@@ -64,8 +66,9 @@ class Network(Protocol):
 
 
 def make_role(component: str, index: int, network: Network, manifest_path: str, run_dir: str,
-              initial_peers: list[str], resources: Resources, *, identity: bool = False, backbone: bool = False,
-              completes_run: bool = False, extra_args: tuple[str, ...] = (), extra_ports: tuple[str, ...] = ()) -> Role:
+              initial_peers: list[str], resources: Resources, *, placement: Placement | None = None,
+              identity: bool = False, backbone: bool = False, completes_run: bool = False,
+              extra_args: tuple[str, ...] = (), extra_ports: tuple[str, ...] = ()) -> Role:
     """One role of any kind: `hivekeeper run COMPONENT` with the arguments every role takes."""
     name = f"{component}-{index}"
     ports = {port: network.port(name, port) for port in (METRICS, P2P, *extra_ports)}
@@ -80,7 +83,8 @@ def make_role(component: str, index: int, network: Network, manifest_path: str, 
     if initial_peers:
         args += ["--initial-peers", *initial_peers]
     return Role(name=name, component=component, index=index, args=tuple(args), ports=ports,
-                resources=resources, completes_run=completes_run, backbone=backbone)
+                resources=resources, placement=placement or Placement(), completes_run=completes_run,
+                backbone=backbone)
 
 
 @dataclass(frozen=True)
@@ -105,17 +109,19 @@ class Layout:
                        for i in range(replicas))
         return cls(manifest, network, manifest_path, run_dir, backbone_component, maddrs)
 
-    def role(self, component: str, index: int, resources: Resources, *, identity: bool = False,
-             completes_run: bool = False, extra_args: tuple[str, ...] = ()) -> Role:
+    def role(self, component: str, index: int, resources: Resources, placement: Placement | None = None, *,
+             identity: bool = False, completes_run: bool = False, extra_args: tuple[str, ...] = ()) -> Role:
+        """`placement`: its role group's, merged over the spec-wide one."""
         name = f"{component}-{index}"
         peers = [m for i, m in enumerate(self.backbone_maddrs) if f"{self.backbone_component}-{i}" != name]
         return make_role(component, index, self.network, self.manifest_path, self.run_dir, peers, resources,
-                         identity=identity, backbone=component == self.backbone_component,
-                         completes_run=completes_run,
+                         placement=placed(self.manifest, placement), identity=identity,
+                         backbone=component == self.backbone_component, completes_run=completes_run,
                          extra_args=extra_args + access_args(self.manifest.spec.volunteers, self.network, name))
 
     def backbones(self) -> list[Role]:
-        return [self.role(self.backbone_component, i, BACKBONE_RESOURCES, identity=True)
+        return [self.role(self.backbone_component, i, BACKBONE_RESOURCES, self.manifest.spec.backbone.placement,
+                          identity=True)
                 for i in range(len(self.backbone_maddrs))]
 
     def with_access(self, roles: list[Role]) -> list[Role]:
@@ -124,6 +130,11 @@ class Layout:
         access = access_roles(self.manifest, self.network, list(self.backbone_maddrs), self.manifest_path,
                               self.run_dir)
         return access[:1] + roles + access[1:]
+
+
+def placed(manifest: Manifest, group: Placement | None) -> Placement:
+    """A role group's placement merged over the spec-wide one."""
+    return (group or Placement()).over(manifest.spec.placement)
 
 
 def kind_identities(manifest: Manifest, backbone_component: str) -> list[str]:
@@ -152,22 +163,24 @@ def access_roles(manifest: Manifest, network: Network, initial_peers: list[str],
     volunteers: VolunteersSpec = manifest.spec.volunteers
     if not volunteers.enabled:
         return []
-    roles = [auth_role(volunteers, network, manifest_path, run_dir)]
+    placement = placed(manifest, volunteers.placement)
+    roles = [auth_role(volunteers, network, manifest_path, run_dir, placement)]
     for i in range(volunteers.relays):
         public = network.relay_public_address(i)
         extra = access_args(volunteers, network, f"relay-{i}") + (("--public-address", public) if public else ())
         roles.append(make_role("relay", i, network, manifest_path, run_dir, initial_peers, ACCESS_RESOURCES,
-                               identity=True, extra_args=extra))
+                               placement=placement, identity=True, extra_args=extra))
     return roles
 
 
-def auth_role(volunteers: VolunteersSpec, network: Network, manifest_path: str, run_dir: str) -> Role:
+def auth_role(volunteers: VolunteersSpec, network: Network, manifest_path: str, run_dir: str,
+              placement: Placement | None = None) -> Role:
     """The token service: it signs access tokens and joins no DHT (it needs no token itself)."""
     args = ("--swarm-key", network.access_path("swarm-auth.pem"), "--swarm-info", network.access_path("swarm-info.json"))
     if volunteers.allowlist_secret:
         args += ("--allowlist-file", network.access_path("allowlist"))
-    role = make_role("auth", 0, network, manifest_path, run_dir, [], ACCESS_RESOURCES, extra_args=args,
-                     extra_ports=(GRPC,))
+    role = make_role("auth", 0, network, manifest_path, run_dir, [], ACCESS_RESOURCES, placement=placement,
+                     extra_args=args, extra_ports=(GRPC,))
     return replace(role, args=role.args + ("--grpc-port", str(role.ports[GRPC])))
 
 

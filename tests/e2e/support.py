@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 RELEASE = "hivekeeper"
 OPERATOR_NAMESPACE = "hivekeeper-system"
+LEASE = f"{RELEASE}-leader"  # the operator replicas' leader Lease (the chart's hivekeeper.leaseName)
 NAMESPACE = "e2e"  # where the resources under test live
 
 
@@ -128,7 +129,8 @@ class Cluster:
         """What a person would look at when a wait fails: pods, events, the operator's log."""
         parts = [self.kubectl("get", "all", "-n", namespace, "-o", "wide", check=False).stdout,
                  self.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False).stdout[-3000:],
-                 self.kubectl("logs", "-n", OPERATOR_NAMESPACE, f"deploy/{RELEASE}", "--tail=40", check=False).stdout]
+                 self.kubectl("logs", "-n", OPERATOR_NAMESPACE, operator_pod(self)["metadata"]["name"], "--tail=40",
+                              check=False).stdout]
         return "\n".join(parts)
 
 
@@ -200,11 +202,26 @@ def applied(cluster: Cluster, manifest: dict[str, Any]) -> Iterator[None]:
     wait_for(lambda: not cluster.pods(f"hivekeeper.dev/swarm={name}"), 180, f"the {manifest['kind']}'s pods to go")
 
 
-def operator_pod(cluster: Cluster) -> dict[str, Any]:
-    pods = [p for p in cluster.pods(f"app.kubernetes.io/instance={RELEASE}", OPERATOR_NAMESPACE)
+def operator_pods(cluster: Cluster) -> list[dict[str, Any]]:
+    """The operator's replicas (not those terminating)."""
+    return [p for p in cluster.pods(f"app.kubernetes.io/instance={RELEASE}", OPERATOR_NAMESPACE)
             if not p["metadata"].get("deletionTimestamp")]
-    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
-    return pods[0]
+
+
+def lease_holder(cluster: Cluster) -> str | None:
+    """The identity in the leader Lease (POD-NAME_UUID), or None while nobody holds it."""
+    found = cluster.kubectl("get", "lease", LEASE, "-n", OPERATOR_NAMESPACE, "-o", "json", check=False)
+    if found.returncode != 0:
+        return None
+    return (json.loads(found.stdout).get("spec") or {}).get("holderIdentity") or None
+
+
+def operator_pod(cluster: Cluster) -> dict[str, Any]:
+    """The replica that leads (holds the Lease); while none does, any replica."""
+    pods = operator_pods(cluster)
+    assert pods, "no operator pod"
+    leader = (lease_holder(cluster) or "").rpartition("_")[0]
+    return next((p for p in pods if p["metadata"]["name"] == leader), pods[0])
 
 
 def pod_ready(pod: dict[str, Any]) -> bool:

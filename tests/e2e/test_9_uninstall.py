@@ -1,5 +1,6 @@
-"""`helm uninstall` leaves nothing of the release behind (the CRDs stay, as Helm keeps every
-CRD it installed from a chart's crds/ folder, so that no one's resources vanish with a release)."""
+"""`helm uninstall` leaves nothing of the release behind but the CRDs, by design: the chart marks
+them helm.sh/resource-policy: keep (crds.keep), since deleting a CRD deletes every resource of its
+kind, in every namespace. `kubectl delete -f crds/` removes them for good (docs/upgrading.md)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,8 @@ def test_helm_uninstall_leaves_nothing_behind(cluster: Cluster, release: str):
     assert cluster.helm("list", "-A", "-q").stdout.split() == []
     left = cluster.kubectl("get", "swarms,blockservers,expertpools", "-A", "-o", "name").stdout.split()
     assert left == [], left
+    # The CRDs stay, still naming the release, so that installing it again takes them back.
+    for name in ("swarms.hivekeeper.dev", "blockservers.hivekeeper.dev", "expertpools.hivekeeper.dev"):
+        annotations = cluster.get("customresourcedefinition", name, namespace=None)["metadata"]["annotations"]
+        assert annotations["helm.sh/resource-policy"] == "keep", name
+        assert annotations["meta.helm.sh/release-name"] == RELEASE, name

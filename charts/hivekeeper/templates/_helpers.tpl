@@ -1,14 +1,20 @@
 {{/* Names and labels shared by every template. */}}
 
 {{- define "hivekeeper.name" -}}
-{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The release's objects' name: fullnameOverride, else RELEASE-NAME (RELEASE when it holds NAME). */}}
 {{- define "hivekeeper.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := include "hivekeeper.name" . -}}
+{{- if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
@@ -18,12 +24,35 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
 
+{{- define "hivekeeper.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "hivekeeper.labels" -}}
-helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+helm.sh/chart: {{ include "hivekeeper.chart" . }}
 {{ include "hivekeeper.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: hivekeeper
+{{- end -}}
+
+{{/* A map as KEY=VALUE,KEY=VALUE (label keys and values hold neither "," nor "="). */}}
+{{- define "hivekeeper.keyValues" -}}
+{{- $pairs := list -}}
+{{- range $key, $value := . -}}
+{{- $pairs = append $pairs (printf "%s=%s" $key $value) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+
+{{/* Where files/alerts.yaml's runbook_url annotations point: docs/metrics.md, one section per alert. */}}
+{{- define "hivekeeper.runbookBaseUrl" -}}
+https://github.com/hivekeeper/hivekeeper/blob/main/docs/metrics.md
+{{- end -}}
+
+{{/* The Lease the operator's replicas elect their leader with, in the release's namespace. */}}
+{{- define "hivekeeper.leaseName" -}}
+{{- printf "%s-leader" (include "hivekeeper.fullname" .) -}}
 {{- end -}}
 
 {{- define "hivekeeper.serviceAccountName" -}}
@@ -91,8 +120,8 @@ pods themselves get no API access at all (automountServiceAccountToken: false).
   resources: ["servicemonitors"]
   verbs: ["get", "create", "patch", "delete"]
 {{- end }}
-# kopf reports handler failures as events on the resource.
+# Events on the resources (phase changes, scaling, errors); a repeated one is patched (its count).
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "patch"]
 {{- end -}}

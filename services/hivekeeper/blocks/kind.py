@@ -4,7 +4,7 @@ scripted client whose successful exit ends a local run."""
 
 from __future__ import annotations
 
-from hivekeeper.kinds import KindRuntime
+from hivekeeper.kinds import KindRuntime, KindVolume
 from hivekeeper.runtime.arguments import RoleEntry, peer_access
 from hivekeeper.spec import Manifest
 from hivekeeper.spec.blockserver import BlockServerSpec
@@ -25,12 +25,22 @@ def block_roles(manifest: Manifest, network: Network, peer_ids: dict[str, str], 
     spec: BlockServerSpec = manifest.spec
     layout = Layout.of(manifest, network, peer_ids, manifest_path, run_dir, BACKBONE)
     roles = layout.backbones()
-    roles += [layout.role(SERVER, i, spec.servers.resources) for i in range(spec.servers.replicas)]
+    roles += [layout.role(SERVER, i, spec.servers.resources, spec.servers.placement)
+              for i in range(spec.servers.replicas)]
     if spec.balancer.enabled:
-        roles.append(layout.role(BALANCER, 0, BACKBONE_RESOURCES))
+        roles.append(layout.role(BALANCER, 0, BACKBONE_RESOURCES, spec.balancer.placement))
     if spec.client.enabled:
-        roles.append(layout.role(CLIENT, 0, spec.client.resources, completes_run=True))
+        roles.append(layout.role(CLIENT, 0, spec.client.resources, spec.client.placement, completes_run=True))
     return layout.with_access(roles)
+
+
+def model_volumes(manifest: Manifest, run_dir: str) -> list[KindVolume]:
+    """The volume the checkpoint folder is on, read-only in every role that reads the model."""
+    volume = manifest.spec.model.volume
+    if volume is None:
+        return []
+    return [KindVolume("model", (BACKBONE, SERVER, BALANCER, CLIENT), volume.mount_path, read_only=True,
+                       existing_claim=volume.existing_claim, source=volume.source)]
 
 
 def _server_arguments(parser) -> None:
@@ -42,6 +52,7 @@ RUNTIME = KindRuntime(
     roles=block_roles, identity_roles=identity_roles,
     target_steps=lambda manifest: manifest.spec.client.new_tokens,
     volunteer_role=SERVER,  # a block server behind a relay: clients reach it through the circuit
+    volumes=model_volumes,
     status_keys={BACKBONE: "backbone", SERVER: "servers", BALANCER: "balancer", CLIENT: "client",
                  **ACCESS_STATUS_KEYS},
     role_modules={

@@ -1,4 +1,7 @@
-"""`hivekeeper crds --out DIR`: write the CustomResourceDefinitions generated from the spec models."""
+"""`hivekeeper crds --out DIR`: write the CustomResourceDefinitions generated from the spec models.
+
+In this repository: `hivekeeper crds --out crds --out charts/hivekeeper/files/crds` (crds/ for
+`kubectl apply -f crds/`; the chart renders its copy as templates, so `helm upgrade` upgrades them)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,12 @@ def run(args: argparse.Namespace) -> int:
     from hivekeeper.errors import UserError
     from hivekeeper.spec.crd import crd_files, missing_kinds, write_crds
 
+    for out in args.out or ():
+        if Path(out).name == "crds" and (Path(out).parent / "Chart.yaml").exists():
+            # Helm installs a chart's crds/ once and never upgrades it; the chart's templates/crds.yaml
+            # renders the CRDs from files/crds instead, and the two would clash on install.
+            raise UserError(f"{out}: a Helm chart's crds/ folder is never upgraded; write the chart's CRDs to "
+                            f"{Path(out).parent / 'files' / 'crds'}")
     missing = missing_kinds()
     if missing:
         raise UserError(f"kinds without a CRD registration in hivekeeper.spec.crd.KINDS: {', '.join(missing)}")

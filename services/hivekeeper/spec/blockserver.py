@@ -10,8 +10,10 @@ from typing import Literal, Optional
 
 from pydantic import Field, StrictBool, model_validator
 
-from hivekeeper.spec.base import SpecModel
+from hivekeeper.spec.base import CelRule, SpecModel
 from hivekeeper.spec.common import BackboneSpec, Resources
+from hivekeeper.spec.placement import Placement, check_placements
+from hivekeeper.spec.storage import ModelVolumeSpec
 from hivekeeper.spec.volunteers import VolunteersSpec
 
 WireCompression = Literal["none", "float16", "blockwise8bit"]
@@ -28,6 +30,8 @@ class TinyModelSpec(SpecModel):
     max_positions: int = Field(512, ge=8, le=65536)
     seed: int = Field(0, ge=0)
 
+    cel_rules = (CelRule("self.hiddenSize % self.numHeads == 0", "must be a multiple of numHeads", ".hiddenSize"),)
+
     @model_validator(mode="after")
     def _heads_divide(self) -> "TinyModelSpec":
         if self.hidden_size % self.num_heads:
@@ -39,11 +43,24 @@ class ModelSpec(SpecModel):
     checkpoint: Optional[str] = Field(
         None, min_length=1, description="local Hugging Face folder (save_pretrained); never downloaded")
     tiny: Optional[TinyModelSpec] = Field(None, description="used when no checkpoint is given")
+    volume: Optional[ModelVolumeSpec] = Field(
+        None, description="cluster only: the volume the checkpoint folder is on, mounted read-only in every pod")
+
+    cel_rules = (
+        CelRule("!has(self.checkpoint) || !has(self.tiny)", "set either checkpoint or tiny, not both"),
+        # volume.holds(checkpoint): the path is the mount path or under it
+        CelRule("!has(self.volume) || (has(self.checkpoint) && (self.checkpoint + '/').startsWith("
+                "self.volume.mountPath.endsWith('/') ? self.volume.mountPath : self.volume.mountPath + '/'))",
+                "must be a folder under volume.mountPath: the pods read it from the volume", ".checkpoint"),
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSpec":
         if self.checkpoint is not None and self.tiny is not None:
             raise ValueError("set either checkpoint or tiny, not both")
+        if self.volume is not None and (self.checkpoint is None or not self.volume.holds(self.checkpoint)):
+            raise ValueError(f"checkpoint ({self.checkpoint!r}) must be a folder under volume.mountPath "
+                             f"({self.volume.mount_path}): the pods read it from the volume")
         if self.checkpoint is None and self.tiny is None:
             self.tiny = TinyModelSpec()
         return self
@@ -69,6 +86,7 @@ class ServersSpec(SpecModel):
     torch_threads: int = Field(
         1, ge=1, description="CPU threads per server for torch; more pay off only for large blocks")
     resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
+    placement: Placement = Field(default_factory=Placement)
 
 
 class BalancerSpec(SpecModel):
@@ -76,13 +94,14 @@ class BalancerSpec(SpecModel):
 
     enabled: StrictBool = True
     replan_seconds: float = Field(10.0, gt=0)
+    placement: Placement = Field(default_factory=Placement)
 
 
 class ClientSpec(SpecModel):
     """A scripted client: generates from a prompt through the servers, then the run is done."""
 
     enabled: StrictBool = True
-    prompt: str = Field("def fibonacci(n):", min_length=1)
+    prompt: str = Field("def fibonacci(n):", min_length=1, max_length=65536)
     new_tokens: int = Field(32, ge=1, le=4096)
     do_sample: StrictBool = Field(False, description="false: greedy decoding")
     temperature: float = Field(1.0, gt=0)
@@ -91,6 +110,13 @@ class ClientSpec(SpecModel):
     verify_local: StrictBool = Field(
         True, description="also generate with the whole model in the client's process and compare tokens")
     resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="1Gi"))
+    placement: Placement = Field(default_factory=Placement)
+
+
+def _tiny(field: str) -> str:
+    """CEL for a field of the tiny model: without a checkpoint or tiny the model is the default tiny one."""
+    default = TinyModelSpec().model_dump(by_alias=True)[field]
+    return f"(has(self.model.tiny) ? self.model.tiny.{field} : {default})"
 
 
 class BlockServerSpec(SpecModel):
@@ -101,6 +127,20 @@ class BlockServerSpec(SpecModel):
     client: ClientSpec = Field(default_factory=ClientSpec)
     backbone: BackboneSpec = Field(default_factory=BackboneSpec)
     volunteers: VolunteersSpec = Field(default_factory=VolunteersSpec)
+    placement: Placement = Field(default_factory=Placement, description="every pod's; merged under each group's")
+
+    cel_rules = (
+        CelRule(f"has(self.model.checkpoint) || !self.client.enabled || "
+                f"(self.client.newTokens + size(bytes(self.client.prompt)) <= {_tiny('maxPositions')} && "
+                f"self.client.newTokens + size(bytes(self.client.prompt)) <= self.servers.maxSessionTokens)",
+                "prompt (its bytes are tokens) + newTokens exceed the model's maxPositions or servers.maxSessionTokens",
+                ".client.newTokens"),
+        CelRule(f"!has(self.servers.spanLength) || has(self.model.checkpoint) || "
+                f"self.servers.spanLength <= {_tiny('numLayers')}", "exceeds the model's numLayers",
+                ".servers.spanLength"),
+        CelRule("self.servers.maxSessionTokens <= self.servers.cacheTokens", "exceeds servers.cacheTokens",
+                ".servers.maxSessionTokens"),
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "BlockServerSpec":
@@ -117,6 +157,7 @@ class BlockServerSpec(SpecModel):
         if self.servers.max_session_tokens > self.servers.cache_tokens:
             raise ValueError(f"servers.maxSessionTokens ({self.servers.max_session_tokens}) exceeds "
                              f"servers.cacheTokens ({self.servers.cache_tokens})")
+        check_placements(self)
         return self
 
 

@@ -3,17 +3,21 @@ fields `hivekeeper validate` accepts.
 
 Each kind registers a `KindInfo` (plural, short names, scale path, printer columns, its status
 model) in `KINDS`; `crd(kind)` turns the kind's pydantic spec model into a *structural*
-OpenAPI v3 schema (every node typed, `$ref`s inlined, `Optional[X]` as `nullable`, draft-2020
-`exclusiveMinimum: x` as OpenAPI 3.0's `minimum: x, exclusiveMinimum: true`, tuples as
-fixed-length arrays, no `additionalProperties: false` beside `properties`: the apiserver prunes
-or, under kubectl's default strict field validation, rejects unknown fields instead).
+OpenAPI v3 schema (every node typed, `$ref`s inlined, draft-2020 `exclusiveMinimum: x` as
+OpenAPI 3.0's `minimum: x, exclusiveMinimum: true`, tuples as fixed-length arrays, no
+`additionalProperties: false` beside `properties`: the apiserver prunes or, under kubectl's
+default strict field validation, rejects unknown fields instead).
 `x-kubernetes-preserve-unknown-fields` is allowed only where a kind says so (a Swarm's
 `task.options`, which the task itself checks).
 
-What a schema cannot say (cross-field rules of the model validators, built-in task options)
-the operator checks with the same models and reports as the `InvalidSpec` condition.
-`jsonschema_for(kind)` gives the equivalent JSON Schema (draft 4, as the apiserver applies it)
-for tests and tools.
+The API server stores what the models would fill in: every field's default (`default:`), an
+object's in full (the API server checks a default as it stands, its own fields undefaulted);
+`Optional[X]` is not `nullable`, so a null is pruned and the field left unset, as None is in
+the models. The models' cross-field rules are CEL (`x-kubernetes-validations`, from each
+model's `cel_rules`), so `kubectl apply` refuses what `hivekeeper validate` refuses; what CEL
+cannot say (built-in task options) the operator checks with the same models and reports as the
+`InvalidSpec` condition. `jsonschema_for(kind)` gives the equivalent JSON Schema (draft 4, as
+the apiserver applies it) and `stored(kind, document)` the defaulting, for tests and tools.
 
 The status models live here too: they are the Kubernetes face of a resource, not its spec.
 """
@@ -21,16 +25,21 @@ The status models live here too: they are the Kubernetes face of a resource, not
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, Field
+from pydantic.fields import FieldInfo
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
+from pydantic_core import core_schema, to_jsonable_python
 
 from hivekeeper import API_GROUP, API_VERSION
 from hivekeeper.spec.base import SpecModel
 from hivekeeper.spec.manifest import _NAME, SPEC_MODELS, Metadata
+from hivekeeper.spec.placement import free_form_paths
 
 CATEGORY = "hivekeeper"
 
@@ -170,7 +179,8 @@ register_kind(KindInfo(
                       "steps/s the averaging plan predicts", priority=1),
         AGE,
     ),
-    preserve_unknown=frozenset({"task.options"}),
+    preserve_unknown=frozenset({"task.options"})
+    | free_form_paths("backbone", "trainers", "auxiliary", "monitor", "balancer", "volunteers"),
     extra_constraints={"optimizer.betas[]": {"minimum": 0, "maximum": 1, "exclusiveMaximum": True}},
 ))
 
@@ -206,7 +216,7 @@ register_kind(KindInfo(
         PrinterColumn("Samples/s", "number", ".status.samplesPerSecond", "trainer throughput", priority=1),
         AGE,
     ),
-    preserve_unknown=frozenset({"task.options"}),
+    preserve_unknown=frozenset({"task.options"}) | free_form_paths("backbone", "servers", "trainers", "volunteers"),
 ))
 
 
@@ -238,6 +248,8 @@ register_kind(KindInfo(
         PrinterColumn("Throughput", "number", ".status.minBlockThroughput", "tokens/s of the worst-served block"),
         AGE,
     ),
+    preserve_unknown=frozenset({"model.volume.source"})
+    | free_form_paths("backbone", "servers", "balancer", "client", "volunteers"),
 ))
 
 
@@ -251,85 +263,112 @@ class SchemaError(ValueError):
 
 _KEEP = {"type", "description", "properties", "required", "items", "enum", "minimum", "maximum",
          "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "minItems",
-         "maxItems", "additionalProperties", "nullable", "format"}
+         "maxItems", "maxProperties", "additionalProperties", "format", "default", "x-kubernetes-int-or-string",
+         "x-kubernetes-preserve-unknown-fields", "x-kubernetes-validations"}
+
+
+class _CrdJsonSchema(GenerateJsonSchema):
+    """pydantic's JSON Schema plus what only a CRD says: each model's CEL rules and, on each of
+    its properties, the default the API server stores."""
+
+    def model_schema(self, schema: core_schema.ModelSchema) -> JsonSchemaValue:
+        out = super().model_schema(schema)
+        cls = schema["cls"]
+        if getattr(cls, "cel_rules", ()):
+            out["x-kubernetes-validations"] = [rule.render() for rule in cls.cel_rules]
+        properties = out.get("properties", {})
+        for name, info in cls.model_fields.items():
+            prop = properties.get(info.alias or name)
+            if prop is None:
+                continue
+            prop.pop("default", None)
+            default = stored_default(info)
+            if default is not None:
+                prop["default"] = default
+        return out
+
+
+def stored_default(info: FieldInfo) -> Any:
+    """What the API server stores for an omitted field: the model's default as JSON, an object's
+    in full; None for a required field, or one whose default says nothing (None means unset, and
+    empty lists and maps are left out, as the models read them)."""
+    if info.is_required():
+        return None
+    value = _without_empties(to_jsonable_python(info.get_default(call_default_factory=True), by_alias=True,
+                                                exclude_none=True))
+    return None if value in (None, {}, []) else value
+
+
+def _without_empties(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: v for k, v in ((k, _without_empties(v)) for k, v in value.items()) if v not in ({}, [])}
+    if isinstance(value, list):
+        return [_without_empties(v) for v in value]
+    return value
 
 
 def openapi_schema(model: type[BaseModel], preserve_unknown: frozenset[str] = frozenset(),
                    extra_constraints: dict[str, dict[str, Any]] | None = None,
-                   describe_defaults: bool = True) -> dict[str, Any]:
-    """The structural OpenAPI v3 schema of a pydantic model (camelCase fields).
-
-    Defaults are not part of the schema (the models apply them, so a manifest stays what its
-    author wrote); with `describe_defaults` each description names the default, read from an
-    instance of the model so that nested defaults (auxiliary peers' smaller memory) are right."""
-    source = model.model_json_schema(by_alias=True, mode="validation")
+                   store_defaults: bool = True) -> dict[str, Any]:
+    """The structural OpenAPI v3 schema of a pydantic model (camelCase fields): with
+    `store_defaults` each field's default, named in its description too (kubectl explain)."""
+    source = model.model_json_schema(by_alias=True, mode="validation", schema_generator=_CrdJsonSchema)
     defs = source.pop("$defs", {})
     extra = dict(extra_constraints or {})
-    defaults: Any = _MISSING
-    if describe_defaults:
-        try:
-            defaults = model().model_dump(by_alias=True, mode="json")
-        except ValueError:  # a model with required fields: fall back to the schema's defaults
-            defaults = None
-    schema = _convert(source, defs, "", preserve_unknown, extra, defaults)
+    schema = _convert(source, defs, "", preserve_unknown, extra, store_defaults)
     if extra:
         raise SchemaError(f"extra constraints for unknown paths: {', '.join(sorted(extra))}")
-    return schema
-
-
-_MISSING = object()
+    return json.loads(json.dumps(schema))  # no node shared between paths (YAML would write anchors)
 
 
 def _convert(node: dict[str, Any], defs: dict[str, Any], path: str, preserve: frozenset[str],
-             extra: dict[str, dict[str, Any]], defaults: Any = _MISSING) -> dict[str, Any]:
+             extra: dict[str, dict[str, Any]], store_defaults: bool) -> dict[str, Any]:
     node = _resolve(node, defs)
     description = node.get("description")
-    if defaults is _MISSING:
-        default = None
-    elif isinstance(defaults, (bool, int, float, str)):
-        default = defaults
-    else:
-        default = node.get("default")
-    nullable = False
-    if "anyOf" in node:  # Optional[X] is anyOf [X, null]
+    default = node.get("default") if store_defaults else None
+    if "anyOf" in node:  # Optional[X] is anyOf [X, null]: unset when null, which the apiserver prunes
         options = [_resolve(o, defs) for o in node["anyOf"]]
         non_null = [o for o in options if o.get("type") != "null"]
         if len(non_null) != 1 or len(options) - len(non_null) != 1:
             raise SchemaError(f"{path or '(root)'}: only Optional[X] unions can be expressed")
-        nullable = True
         node = {**non_null[0], **{k: v for k, v in node.items() if k not in ("anyOf",)}}
     if "const" in node:
         node = {**node, "enum": [node.pop("const")]}
+
+    def child(sub: dict[str, Any], sub_path: str, constraints: dict[str, dict[str, Any]] = extra) -> dict[str, Any]:
+        return _convert(sub, defs, sub_path, preserve, constraints, store_defaults)
 
     out: dict[str, Any] = {}
     kind = node.get("type")
     if path in preserve:
         out = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    elif node.get("x-kubernetes-int-or-string"):  # a Kubernetes quantity
+        out = {k: node[k] for k in ("x-kubernetes-int-or-string", "minimum", "pattern") if k in node}
     elif kind == "object" and "properties" in node:
-        props = {}
-        for name, sub in node["properties"].items():
-            sub_defaults = defaults.get(name) if isinstance(defaults, dict) else (
-                _MISSING if defaults is _MISSING else None)
-            props[name] = _convert(sub, defs, f"{path}.{name}" if path else name, preserve, extra, sub_defaults)
+        props = {name: child(sub, f"{path}.{name}" if path else name) for name, sub in node["properties"].items()}
         out = {"type": "object", "properties": props}
         if node.get("required"):
             out["required"] = list(node["required"])
+        if node.get("x-kubernetes-validations"):
+            out["x-kubernetes-validations"] = node["x-kubernetes-validations"]
     elif kind == "object":
         values = node.get("additionalProperties")
         if not isinstance(values, dict) or not values:
             raise SchemaError(f"{path}: a free-form object needs an entry in preserve_unknown")
-        out = {"type": "object", "additionalProperties": _convert(values, defs, f"{path}{{}}", preserve, extra)}
+        out = {"type": "object", "additionalProperties": child(values, f"{path}{{}}")}
+        if "maxProperties" in node:  # bounds what a CEL rule over the map may cost
+            out["maxProperties"] = node["maxProperties"]
     elif kind == "array":
         if "prefixItems" in node:  # a fixed-length tuple of one item type
-            items = [_convert(i, defs, f"{path}[]", preserve, {}) for i in node["prefixItems"]]
+            items = [child(i, f"{path}[]", {}) for i in node["prefixItems"]]
             if any(i != items[0] for i in items):
                 raise SchemaError(f"{path}: tuples of mixed types cannot be expressed")
-            out = {"type": "array", "items": _convert(node["prefixItems"][0], defs, f"{path}[]", preserve, extra),
+            out = {"type": "array", "items": child(node["prefixItems"][0], f"{path}[]"),
                    "minItems": len(items), "maxItems": len(items)}
         else:
             if not node.get("items"):
                 raise SchemaError(f"{path}: arrays need a typed item")
-            out = {"type": "array", "items": _convert(node["items"], defs, f"{path}[]", preserve, extra)}
+            out = {"type": "array", "items": child(node["items"], f"{path}[]")}
         for key in ("minItems", "maxItems"):
             if key in node:
                 out[key] = node[key]
@@ -353,15 +392,15 @@ def _convert(node: dict[str, Any], defs: dict[str, Any], path: str, preserve: fr
 
     if path in extra:
         out.update(extra.pop(path))
-    if nullable:
-        out["nullable"] = True
+    if default is not None:
+        out["default"] = default
     text = description or ""
-    if default is not None and default != "" and isinstance(default, (bool, int, float, str)):
+    if isinstance(default, (bool, int, float, str)) and default != "":
         shown = str(default).lower() if isinstance(default, bool) else default
         text = f"{text} (default: {shown})" if text else f"default: {shown}"
     if text:
         out = {"description": text, **out}
-    unknown = set(out) - _KEEP - {"x-kubernetes-preserve-unknown-fields"}
+    unknown = set(out) - _KEEP
     assert not unknown, unknown
     return out
 
@@ -381,7 +420,7 @@ def crd(kind: str) -> dict[str, Any]:
     """The CustomResourceDefinition of one kind, as a plain dict ready for YAML."""
     info = KINDS[kind]
     spec_schema = openapi_schema(SPEC_MODELS[kind], info.preserve_unknown, info.extra_constraints)
-    status_schema = openapi_schema(info.status_model, describe_defaults=False)
+    status_schema = openapi_schema(info.status_model, store_defaults=False)
     name_field = Metadata.model_fields["name"]
     max_name = next(m.max_length for m in name_field.metadata if hasattr(m, "max_length"))
     schema = {
@@ -448,21 +487,22 @@ def write_crds(out_dir: str | Path) -> list[Path]:
 
 def jsonschema_for(kind: str) -> dict[str, Any]:
     """The CRD's schema as a draft-4 JSON Schema that behaves as the apiserver does with strict
-    field validation: unknown fields rejected (except under preserve-unknown-fields), `nullable`
-    allowing null, `metadata.name` checked."""
+    field validation, for a document as the API server stores it (`stored`): unknown fields
+    rejected (except under preserve-unknown-fields), `metadata.name` checked. CEL rules are not
+    JSON Schema: the tests evaluate them."""
     schema = copy.deepcopy(crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
     schema["properties"]["apiVersion"]["enum"] = [f"{API_GROUP}/{API_VERSION}"]
     schema["properties"]["kind"]["enum"] = [kind]
     schema["required"] = ["apiVersion", "kind", "metadata", "spec"]
     schema["properties"]["metadata"]["required"] = ["name"]
     schema["properties"]["metadata"]["additionalProperties"] = True
-    return {"$schema": "http://json-schema.org/draft-04/schema#", **_strict(schema, top=True)}
+    return {"$schema": "http://json-schema.org/draft-04/schema#", **_strict(schema)}
 
 
-def _strict(node: dict[str, Any], top: bool = False) -> dict[str, Any]:
+def _strict(node: dict[str, Any]) -> dict[str, Any]:
     node = dict(node)
-    if node.pop("nullable", False):
-        node["type"] = [node["type"], "null"]
+    if node.pop("x-kubernetes-int-or-string", False):
+        node["type"] = ["integer", "string"]
     preserve = node.pop("x-kubernetes-preserve-unknown-fields", False)
     if "properties" in node:
         node["properties"] = {k: _strict(v) for k, v in node["properties"].items()}
@@ -473,3 +513,31 @@ def _strict(node: dict[str, Any], top: bool = False) -> dict[str, Any]:
     if isinstance(node.get("items"), dict):
         node["items"] = _strict(node["items"])
     return node
+
+
+def stored(kind: str, document: dict[str, Any]) -> dict[str, Any]:
+    """`document` as the API server stores it, before it validates it: nulls pruned (no field is
+    nullable), then every absent field that has a default set to it and defaulted in turn (the
+    apiserver's structural defaulting)."""
+    schema = crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return _defaulted(schema, copy.deepcopy(document))
+
+
+def _defaulted(node: dict[str, Any], value: Any) -> Any:
+    if isinstance(value, dict) and "properties" in node:
+        for name, prop in node["properties"].items():
+            if name in value and value[name] is None:
+                del value[name]
+            if name not in value and "default" in prop:
+                value[name] = copy.deepcopy(prop["default"])
+            if name in value:
+                _defaulted(prop, value[name])
+    elif isinstance(value, dict) and isinstance(node.get("additionalProperties"), dict):
+        for key in [k for k, v in value.items() if v is None]:
+            del value[key]
+        for item in value.values():
+            _defaulted(node["additionalProperties"], item)
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        for item in value:
+            _defaulted(node["items"], item)
+    return value

@@ -12,14 +12,15 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import Field, StrictBool, model_validator
 
-from hivekeeper.spec.base import SpecModel
+from hivekeeper.spec.base import CelRule, SpecModel
 from hivekeeper.spec.common import BackboneSpec, Resources
+from hivekeeper.spec.placement import DNS_SUBDOMAIN, Placement, check_placements
+from hivekeeper.spec.storage import VolumeClaimSpec, check_claim, claim_rules
 from hivekeeper.spec.training import OptimizerSpec, StoppingSpec, TaskSpec
 from hivekeeper.spec.volunteers import VolunteersSpec
 
 DIGITS_PIXELS = 64  # the digits task's 8x8 images: what a transformer trainer splits into tokens
-QUANTITY = r"^[0-9]+(\.[0-9]+)?([KMGTPE]i|[kMGTPE])?$"  # a Kubernetes storage quantity
-DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # a Kubernetes object name
+MAX_GRID_DIMENSIONS = 4
 
 
 class GridSpec(SpecModel):
@@ -28,7 +29,8 @@ class GridSpec(SpecModel):
     uid_prefix: str = Field("expert", pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$", max_length=40,
                             description="first part of every expert uid (no dots)")
     dimensions: list[Annotated[int, Field(ge=1, le=256)]] = Field(
-        default_factory=lambda: [4, 4], min_length=1, max_length=4, description="M for each of the d grid dimensions")
+        default_factory=lambda: [4, 4], min_length=1, max_length=MAX_GRID_DIMENSIONS,
+        description="M for each of the d grid dimensions")
 
     @property
     def size(self) -> int:
@@ -42,6 +44,9 @@ class ExpertSpec(SpecModel):
     ffn_multiplier: int = Field(4, ge=1, le=16, description="inner width = hiddenSize x this")
     num_heads: int = Field(4, ge=1, le=128, description="attention heads (transformer)")
     sequence_length: int = Field(8, ge=1, le=8192, description="tokens per example (transformer)")
+
+    cel_rules = (CelRule("self.type != 'transformer' || self.hiddenSize % self.numHeads == 0",
+                         "must be divisible by numHeads (transformer)", ".hiddenSize"),)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ExpertSpec":
@@ -59,15 +64,10 @@ class ServerSpec(SpecModel):
     announce_expiration_seconds: float = Field(
         6.0, gt=0, description="DHT entries of a server's experts expire this long after its last announcement")
     resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
+    placement: Placement = Field(default_factory=Placement)
 
 
-class CheckpointClaimSpec(SpecModel):
-    """A PersistentVolumeClaim the operator makes (NAME-checkpoints), owned by the pool: it goes
-    when the pool is deleted. It is made once; size and class apply then (resize the claim itself)."""
-
-    size: str = Field("1Gi", pattern=QUANTITY, description="storage requested, a Kubernetes quantity")
-    storage_class_name: Optional[str] = Field(None, pattern=DNS_SUBDOMAIN, max_length=253,
-                                              description="default: the cluster's default StorageClass")
+class CheckpointClaimSpec(VolumeClaimSpec):
     access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = Field(
         "ReadWriteMany", description="ReadWriteOnce suits only a cluster where every server runs on one node")
 
@@ -93,15 +93,11 @@ class CheckpointSpec(SpecModel):
     def directory(self, run_dir: str) -> str:
         return self.dir or f"{run_dir}/experts"
 
+    cel_rules = claim_rules("dir")
+
     @model_validator(mode="after")
     def _one_claim(self) -> "CheckpointSpec":
-        claimed = self.volume_claim is not None or self.existing_claim is not None
-        if self.volume_claim is not None and self.existing_claim is not None:
-            raise ValueError("set volumeClaim or existingClaim, not both")
-        if claimed and not self.enabled:
-            raise ValueError("a checkpoint claim needs enabled: true")
-        if claimed and self.dir is not None and not self.dir.startswith("/"):
-            raise ValueError(f"dir ({self.dir!r}) must be an absolute path with a claim: the claim is mounted there")
+        check_claim(self.volume_claim, self.existing_claim, self.dir, "dir", self.enabled)
         return self
 
 
@@ -126,6 +122,13 @@ class ExpertTrainerSpec(SpecModel):
     dmoe: DMoESpec = Field(default_factory=DMoESpec)
     eval_every_steps: int = Field(20, ge=1, description="evaluate held-out metrics every N batches")
     resources: Resources = Field(default_factory=Resources)
+    placement: Placement = Field(default_factory=Placement)
+
+
+def _grid_size() -> str:
+    """CEL for the grid's size, the product of its 1 to MAX_GRID_DIMENSIONS dimensions."""
+    dims = "self.grid.dimensions"
+    return " * ".join([f"{dims}[0]", *(f"(size({dims}) > {i} ? {dims}[{i}] : 1)" for i in range(1, MAX_GRID_DIMENSIONS))])
 
 
 class ExpertPoolSpec(SpecModel):
@@ -140,12 +143,29 @@ class ExpertPoolSpec(SpecModel):
     trainers: ExpertTrainerSpec = Field(default_factory=ExpertTrainerSpec)
     stopping: StoppingSpec = Field(default_factory=lambda: StoppingSpec(target_steps=200))
     volunteers: VolunteersSpec = Field(default_factory=VolunteersSpec)
+    placement: Placement = Field(default_factory=Placement, description="every pod's; merged under each group's")
 
     @property
     def hosted_experts(self) -> int:
         """Experts the servers hold: the grid may leave room for more (Learning@home 3.2)."""
         per_server = self.servers.experts_per_server or math.ceil(self.grid.size / self.servers.replicas)
         return min(self.grid.size, per_server * self.servers.replicas)
+
+    cel_rules = (
+        CelRule("self.task.name == 'digits'", "ExpertPool trainers learn the digits task", ".task.name"),
+        # the task's options: the operator checks them (InvalidSpec)
+        CelRule("self.trainers.dmoe.kMin <= self.trainers.dmoe.kBest", "exceeds trainers.dmoe.kBest",
+                ".trainers.dmoe.kMin"),
+        CelRule(f"self.trainers.dmoe.kBest <= {_grid_size()} && (!has(self.servers.expertsPerServer) || "
+                f"self.trainers.dmoe.kBest <= self.servers.expertsPerServer * self.servers.replicas)",
+                "exceeds the experts the servers hold (the grid's, at most servers.expertsPerServer x replicas)",
+                ".trainers.dmoe.kBest"),
+        CelRule(f"self.expert.type != 'transformer' || {DIGITS_PIXELS} % self.expert.sequenceLength == 0",
+                f"must divide the digits' {DIGITS_PIXELS} pixels (1, 2, 4, 8, 16, 32 or 64)", ".expert.sequenceLength"),
+        CelRule("self.servers.announceExpirationSeconds > self.servers.announcePeriodSeconds",
+                "must exceed announcePeriodSeconds, or experts vanish from the DHT between announcements",
+                ".servers.announceExpirationSeconds"),
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "ExpertPoolSpec":
@@ -168,4 +188,5 @@ class ExpertPoolSpec(SpecModel):
         if self.servers.announce_expiration_seconds <= self.servers.announce_period_seconds:
             raise ValueError("servers.announceExpirationSeconds must exceed announcePeriodSeconds, "
                              "or experts vanish from the DHT between announcements")
+        check_placements(self)
         return self

@@ -9,12 +9,15 @@ from typing import Literal, Optional
 
 from pydantic import Field, StrictBool, model_validator
 
-from hivekeeper.spec.base import SpecModel
+from hivekeeper.spec.base import CelRule, SpecModel
 from hivekeeper.spec.common import BackboneSpec, Resources
+from hivekeeper.spec.placement import DNS_SUBDOMAIN, Placement, check_placements
+from hivekeeper.spec.storage import VolumeClaimSpec, check_claim, claim_rules
 from hivekeeper.spec.training import OptimizerSpec, StoppingSpec, TaskSpec
 from hivekeeper.spec.volunteers import VolunteersSpec
 
 CompressionName = Literal["none", "float16", "uniform8bit", "blockwise8bit"]
+MERGE_EVERY_STEPS = 10  # replicas merge this often unless mergeEverySteps or mergeEveryEpochs says otherwise
 
 
 class BandwidthLimits(SpecModel):
@@ -31,24 +34,28 @@ class TrainerSpec(SpecModel):
     resources: Resources = Field(default_factory=Resources)
     client_mode: StrictBool = Field(False, description="trainers cannot accept inbound connections")
     bandwidth: BandwidthLimits = Field(default_factory=BandwidthLimits)
+    placement: Placement = Field(default_factory=Placement)
 
 
 class AuxiliarySpec(SpecModel):
     replicas: int = Field(0, ge=0, description="CPU-only peers that only help averaging")
     resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="1Gi"))
     bandwidth: BandwidthLimits = Field(default_factory=BandwidthLimits)
+    placement: Placement = Field(default_factory=Placement)
 
 
 class BalancerSpec(SpecModel):
     """The averaging planner (DeDLOC appendix B): measures every peer, solves for roles and
     shares, and publishes a signed plan that peers follow from their next round."""
 
-    enabled: StrictBool = True
+    enabled: Optional[StrictBool] = Field(
+        None, description="default: on for gradient averaging, off when replicas merge weights (which it cannot plan)")
     replan_seconds: float = Field(10.0, gt=0, description="how often inputs are read and checked for drift")
     drift: float = Field(0.25, gt=0, description="relative change of any input that triggers a new plan")
     plan_ttl_seconds: float = Field(60.0, gt=0, description="peers drop a plan not renewed within this time")
     prometheus_url: Optional[str] = Field(
         None, pattern=r"^https?://", description="read inputs from this Prometheus; default: scrape peers directly")
+    placement: Placement = Field(default_factory=Placement)
 
 
 class AveragingSpec(SpecModel):
@@ -67,7 +74,8 @@ class AveragingSpec(SpecModel):
                                  "alone and average weights (and optimizer state) every mergeEvery steps; "
                                  "ties: the same with a TIES merge")
     merge_every_steps: Optional[int] = Field(
-        None, ge=1, description="merge after this many local optimizer steps (parameters, ties; default 10)")
+        None, ge=1, description=f"merge after this many local optimizer steps (parameters, ties; default "
+                                f"{MERGE_EVERY_STEPS})")
     merge_every_epochs: Optional[float] = Field(
         None, gt=0, description="or after this fraction of a pass over the training data")
     trim: Optional[float] = Field(
@@ -79,6 +87,20 @@ class AveragingSpec(SpecModel):
     @property
     def merges_weights(self) -> bool:
         return self.mode != "gradients"
+
+    cel_rules = (
+        *(CelRule(f"self.mode != 'gradients' || !has(self.{name})", "only for mode parameters or ties", f".{name}")
+          for name in ("mergeEverySteps", "mergeEveryEpochs", "shiftEverySteps")),
+        CelRule("self.mode != 'gradients' || self.mergeOptimizerState", "only for mode parameters or ties",
+                ".mergeOptimizerState"),
+        CelRule("!has(self.trim) || self.mode == 'ties'", "only for mode ties", ".trim"),
+        CelRule("!has(self.mergeEverySteps) || !has(self.mergeEveryEpochs)",
+                "set mergeEverySteps or mergeEveryEpochs, not both", ".mergeEveryEpochs"),
+        CelRule(f"!has(self.shiftEverySteps) || has(self.mergeEveryEpochs) || self.shiftEverySteps < "
+                f"(has(self.mergeEverySteps) ? self.mergeEverySteps : {MERGE_EVERY_STEPS})",
+                f"must be below mergeEverySteps (default {MERGE_EVERY_STEPS}): shifts happen between merges",
+                ".shiftEverySteps"),
+    )
 
     @model_validator(mode="after")
     def _merge_fields(self) -> "AveragingSpec":
@@ -93,10 +115,11 @@ class AveragingSpec(SpecModel):
             raise ValueError(f"trim: only for mode ties (mode is {self.mode})")
         if self.merge_every_steps is not None and self.merge_every_epochs is not None:
             raise ValueError("set mergeEverySteps or mergeEveryEpochs, not both")
-        if self.shift_every_steps is not None and self.shift_every_steps >= (self.merge_every_steps or 10) \
+        merge_every = self.merge_every_steps or MERGE_EVERY_STEPS
+        if self.shift_every_steps is not None and self.shift_every_steps >= merge_every \
                 and self.merge_every_epochs is None:
             raise ValueError(f"shiftEverySteps ({self.shift_every_steps}) must be below mergeEverySteps "
-                             f"({self.merge_every_steps or 10}): shifts happen between merges")
+                             f"({merge_every}): shifts happen between merges")
         return self
 
 
@@ -104,8 +127,29 @@ class MonitorSpec(SpecModel):
     enabled: StrictBool = True  # strict: 'yes' is an error here, as it is for the CRD
     eval_every_steps: int = Field(5, ge=1, description="evaluate held-out metrics every N global steps")
     checkpoint_every_steps: int = Field(20, ge=1)
-    checkpoint_dir: Optional[str] = Field(None, description="default: RUN_DIR/checkpoints, or the pod's volume")
+    checkpoint_dir: Optional[str] = Field(
+        None, description="checkpoints and the final model; default: RUN_DIR/checkpoints (in a cluster: where the "
+                          "claim is mounted, with one)")
     keep_checkpoints: int = Field(3, ge=1)
+    volume_claim: Optional[VolumeClaimSpec] = Field(
+        None, description="cluster only: keep the checkpoints and the final model on a claim the operator makes "
+                          "(NAME-checkpoints) and deletes with the Swarm, so a rescheduled monitor goes on numbering "
+                          "from the last checkpoint and the final model outlives the pod (without a claim they live "
+                          "in the pod's emptyDir)")
+    existing_claim: Optional[str] = Field(
+        None, pattern=DNS_SUBDOMAIN, max_length=253,
+        description="cluster only: a PersistentVolumeClaim of yours instead; the operator never deletes it")
+    placement: Placement = Field(default_factory=Placement)
+
+    def directory(self, run_dir: str) -> str:
+        return self.checkpoint_dir or f"{run_dir}/checkpoints"
+
+    cel_rules = claim_rules("checkpointDir")
+
+    @model_validator(mode="after")
+    def _one_claim(self) -> "MonitorSpec":
+        check_claim(self.volume_claim, self.existing_claim, self.checkpoint_dir, "checkpointDir", self.enabled)
+        return self
 
 
 class SwarmSpec(SpecModel):
@@ -120,6 +164,21 @@ class SwarmSpec(SpecModel):
     balancer: BalancerSpec = Field(default_factory=BalancerSpec)
     stopping: StoppingSpec = Field(default_factory=lambda: StoppingSpec(target_steps=100))
     volunteers: VolunteersSpec = Field(default_factory=VolunteersSpec)
+    placement: Placement = Field(default_factory=Placement, description="every pod's; merged under each group's")
+
+    cel_rules = (
+        CelRule("self.trainers.batchSize <= self.targetBatchSize", "exceeds targetBatchSize", ".trainers.batchSize"),
+        CelRule("!has(self.averaging.targetGroupSize) || self.volunteers.enabled || "
+                "self.averaging.targetGroupSize <= self.trainers.replicas + self.auxiliary.replicas",
+                "exceeds the averaging peers (trainers.replicas + auxiliary.replicas)", ".averaging.targetGroupSize"),
+        CelRule("self.averaging.mode == 'gradients' || self.auxiliary.replicas == 0",
+                "auxiliary peers help gradient averaging only (averaging.mode gradients); set it to 0",
+                ".auxiliary.replicas"),
+        CelRule("self.averaging.mode == 'gradients' || !has(self.balancer.enabled) || !self.balancer.enabled",
+                "the balancer plans gradient averaging only (averaging.mode gradients)", ".balancer.enabled"),
+        CelRule("!has(self.stopping.targetMetric) || self.monitor.enabled",
+                "needs monitor.enabled: the monitor evaluates held-out metrics", ".stopping.targetMetric"),
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "SwarmSpec":
@@ -127,8 +186,6 @@ class SwarmSpec(SpecModel):
             raise ValueError(
                 f"trainers.batchSize ({self.trainers.batch_size}) exceeds targetBatchSize ({self.target_batch_size})"
             )
-        if self.trainers.client_mode and self.auxiliary.replicas == 0 and self.backbone.replicas == 0:
-            raise ValueError("client-mode trainers need an auxiliary or backbone peer that accepts connections")
         group = self.averaging.target_group_size
         # volunteers are averaging peers the spec does not count: room for them is the point
         if group is not None and group > self.trainers.replicas + self.auxiliary.replicas and not self.volunteers.enabled:
@@ -141,10 +198,12 @@ class SwarmSpec(SpecModel):
             if self.auxiliary.replicas:
                 raise ValueError(f"auxiliary.replicas: auxiliary peers help gradient averaging only "
                                  f"(averaging.mode is {mode}); set it to 0")
-            if self.balancer.enabled and "enabled" in self.balancer.model_fields_set:
+            if self.balancer.enabled:
                 raise ValueError(f"balancer.enabled: the balancer plans gradient averaging only "
                                  f"(averaging.mode is {mode})")
-            self.balancer.enabled = False  # off by default when replicas merge weights
+        if self.balancer.enabled is None:
+            self.balancer.enabled = not self.averaging.merges_weights
         if self.stopping.target_metric is not None and not self.monitor.enabled:
             raise ValueError("stopping.targetMetric needs monitor.enabled: the monitor evaluates held-out metrics")
+        check_placements(self)
         return self

@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from hivekeeper.spec.base import SpecModel
+from hivekeeper.spec.base import CelRule, SpecModel
 
 
 class TaskSpec(SpecModel):
@@ -46,6 +46,9 @@ class StoppingSpec(SpecModel):
         None, ge=1, description="stop after this many steps (a Swarm's global steps, an ExpertPool's trainer batches)")
     target_metric: Optional[TargetMetric] = None
     max_wall_seconds: Optional[float] = Field(None, gt=0, description="give up after this long (local runs)")
+
+    cel_rules = (CelRule("has(self.targetSteps) || has(self.targetMetric)",
+                         "set targetSteps and/or targetMetric, or the run never ends"),)
 
     @model_validator(mode="after")
     def _something_stops(self) -> "StoppingSpec":

@@ -7,7 +7,10 @@ from typing import Literal, Optional
 
 from pydantic import Field, StrictBool, model_validator
 
-from hivekeeper.spec.base import SpecModel
+from hivekeeper.spec.base import CelRule, SpecModel
+from hivekeeper.spec.placement import Placement
+
+NODE_PORTS = (30000, 32767)  # Kubernetes' default NodePort range
 
 
 class VolunteersSpec(SpecModel):
@@ -24,6 +27,22 @@ class VolunteersSpec(SpecModel):
     allowlist_secret: Optional[str] = Field(
         None, description="a Secret whose key 'allowlist' lists more identities, one a line (cluster only)")
     token_ttl_seconds: float = Field(3600.0, ge=60, description="lifetime of an access token; peers renew it")
+    placement: Placement = Field(default_factory=Placement, description="the relays' and the token service's")
+
+    cel_rules = (
+        CelRule("!self.enabled || (has(self.allowlist) && size(self.allowlist) > 0) || has(self.allowlistSecret)",
+                "volunteers.enabled admits only allowlisted identities: set allowlist or allowlistSecret", ".allowlist"),
+        CelRule("self.serviceType != 'NodePort' || !self.enabled || (has(self.publicHost) && size(self.publicHost) > 0)",
+                "serviceType NodePort: set publicHost, a node address volunteers can reach", ".publicHost"),
+        CelRule(f"self.serviceType != 'NodePort' || (self.relayPort >= {NODE_PORTS[0]} && "
+                f"self.relayPort + self.relays - 1 <= {NODE_PORTS[1]})",
+                f"every relay's NodePort (relayPort + i) must be within {NODE_PORTS[0]}-{NODE_PORTS[1]}", ".relayPort"),
+        CelRule(f"self.serviceType != 'NodePort' || (self.gatewayPort >= {NODE_PORTS[0]} && "
+                f"self.gatewayPort <= {NODE_PORTS[1]})",
+                f"a NodePort must be within {NODE_PORTS[0]}-{NODE_PORTS[1]}", ".gatewayPort"),
+        CelRule("self.gatewayPort < self.relayPort || self.gatewayPort >= self.relayPort + self.relays",
+                "collides with a relay port (relayPort + i)", ".gatewayPort"),
+    )
 
     @model_validator(mode="after")
     def _someone_may_join(self) -> "VolunteersSpec":
@@ -32,10 +51,12 @@ class VolunteersSpec(SpecModel):
         if self.service_type == "NodePort" and self.enabled and not self.public_host:
             raise ValueError("serviceType NodePort: set publicHost, a node address volunteers can reach")
         if self.service_type == "NodePort":
-            ports = {"relayPort": self.relay_port + self.relays - 1, "gatewayPort": self.gateway_port}
-            outside = [name for name, port in ports.items() if not 30000 <= port <= 32767]
+            low, high = NODE_PORTS
+            ports = {"relayPort": (self.relay_port, self.relay_port + self.relays - 1),
+                     "gatewayPort": (self.gateway_port, self.gateway_port)}
+            outside = [name for name, (first, last) in ports.items() if first < low or last > high]
             if outside:
-                raise ValueError(f"{', '.join(outside)}: a NodePort must be within 30000-32767")
+                raise ValueError(f"{', '.join(outside)}: a NodePort must be within {low}-{high}")
         if self.gateway_port in range(self.relay_port, self.relay_port + self.relays):
             raise ValueError(f"gatewayPort {self.gateway_port} collides with a relay port")
         return self

@@ -5,7 +5,7 @@ monitor whose signed plan to follow."""
 
 from __future__ import annotations
 
-from hivekeeper.kinds import KindRuntime
+from hivekeeper.kinds import KindRuntime, KindVolume, claimed_directory
 from hivekeeper.runtime import arguments
 from hivekeeper.runtime.arguments import RoleEntry
 from hivekeeper.spec import Manifest
@@ -34,13 +34,24 @@ def swarm_roles(manifest: Manifest, network: Network, peer_ids: dict[str, str], 
         return layout.role(component, index, resources, extra_args=follows, **kwargs)
 
     roles = layout.backbones()
-    roles += [role("trainer", i, spec.trainers.resources) for i in range(spec.trainers.replicas)]
-    roles += [role("auxiliary", i, spec.auxiliary.resources) for i in range(spec.auxiliary.replicas)]
+    roles += [role("trainer", i, spec.trainers.resources, placement=spec.trainers.placement)
+              for i in range(spec.trainers.replicas)]
+    roles += [role("auxiliary", i, spec.auxiliary.resources, placement=spec.auxiliary.placement)
+              for i in range(spec.auxiliary.replicas)]
     if spec.monitor.enabled:
-        roles.append(role("monitor", 0, SERVICE_RESOURCES, completes_run=True))
+        roles.append(role("monitor", 0, SERVICE_RESOURCES, placement=spec.monitor.placement, completes_run=True))
     if spec.balancer.enabled:
-        roles.append(role("balancer", 0, SERVICE_RESOURCES, identity=True))
+        roles.append(role("balancer", 0, SERVICE_RESOURCES, placement=spec.balancer.placement, identity=True))
     return layout.with_access(roles)
+
+
+def swarm_volumes(manifest: Manifest, run_dir: str) -> list[KindVolume]:
+    """The monitor's checkpoints and final model on a claim, where the spec asks."""
+    monitor = manifest.spec.monitor
+    if not monitor.enabled:
+        return []
+    return claimed_directory("checkpoints", ("monitor",), monitor.directory(run_dir), monitor.volume_claim,
+                             monitor.existing_claim)
 
 
 def _trainer_arguments(parser) -> None:
@@ -71,6 +82,7 @@ RUNTIME = KindRuntime(
     status_component="monitor",
     running_component="trainer",
     volunteer_role="trainer",
+    volumes=swarm_volumes,
     role_modules={
         BACKBONE: RoleEntry("hivekeeper.swarm.backbone"),
         "trainer": RoleEntry("hivekeeper.swarm.trainer", PEER + (_plan_arguments, _trainer_arguments)),

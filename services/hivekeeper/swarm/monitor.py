@@ -15,7 +15,7 @@ from typing import Any
 from hivekeeper.runtime.reports import STOP_KEY, read_peer_reports
 from hivekeeper.swarm.role import SwarmContext, load_swarm_context
 from hivekeeper.tasks import load_task
-from hivekeeper.training.checkpoint import prune_checkpoints, save_checkpoint
+from hivekeeper.training.checkpoint import checkpoint_steps, prune_checkpoints, save_checkpoint
 from hivekeeper.training.optimizers import scheduler_factory, torch_optimizer_factory
 
 log = logging.getLogger("hivekeeper.monitor")
@@ -33,13 +33,14 @@ class Monitor:
         self.ctx = ctx
         spec = ctx.spec
         self.run_dir = Path(ctx.args.run_dir)
-        self.checkpoint_dir = Path(spec.monitor.checkpoint_dir or self.run_dir / "checkpoints")
+        self.checkpoint_dir = Path(spec.monitor.directory(str(self.run_dir)))
         self.task = load_task(spec.task.name, spec.task.options, seed=spec.task.seed)
         self.model = self.task.build_model()
         self.started = time.time()
         self.eval_step = -1
         self.eval_metrics: dict[str, float] = {}
-        self.checkpoint_step = 0
+        # A restarted monitor whose directory outlived it (a claim) goes on from its last checkpoint.
+        self.checkpoint_step = max(checkpoint_steps(self.checkpoint_dir), default=0)
         self.losses: dict[int, float] = {}
         self.history = open(self.run_dir / "history.jsonl", "a", buffering=1)
         self.steps_seen: list[tuple[float, int]] = []  # (time, global step), the last minute
@@ -60,7 +61,9 @@ class Monitor:
             start=True,
         )
         ctx.endpoint.ready.set()
-        log.info("monitor up", extra={"fields": {"peer_id": str(self.dht.peer_id)}})
+        log.info("monitor up", extra={"fields": {"peer_id": str(self.dht.peer_id),
+                                                 "checkpoint_dir": str(self.checkpoint_dir),
+                                                 "last_checkpoint_step": self.checkpoint_step}})
         exit_code = 0
         try:
             while not ctx.stop.wait(POLL_SECONDS):

@@ -5,10 +5,14 @@ half-written file under a final name."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
+
+
+_STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
 
 
 class CheckpointError(Exception):
@@ -45,7 +49,13 @@ def load_checkpoint(path: Path, model: torch.nn.Module | None = None) -> dict[st
     return payload
 
 
+def checkpoint_steps(directory: Path) -> list[int]:
+    """The steps of the step-N.pt checkpoints in `directory`, in order (none: the directory may not
+    exist yet)."""
+    found = (_STEP_FILE.match(p.name) for p in directory.glob("step-*.pt")) if directory.is_dir() else ()
+    return sorted(int(m.group(1)) for m in found if m)
+
+
 def prune_checkpoints(directory: Path, keep: int) -> None:
-    steps = sorted(directory.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
-    for old in steps[:-keep]:
-        old.unlink(missing_ok=True)
+    for step in checkpoint_steps(directory)[:-keep]:
+        (directory / f"step-{step}.pt").unlink(missing_ok=True)
