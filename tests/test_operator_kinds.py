@@ -227,13 +227,19 @@ def checkpoint_volume(cluster, name: str = "digits-moe") -> tuple[str, str] | No
     return (claim, mount) if claim else None
 
 
+def owned_claim(cluster, client, plural: str, document: dict[str, Any], claim_name: str) -> dict[str, Any]:
+    """Create the resource, wait for the checkpoint claim the operator makes for it; check its owner."""
+    custom(client).create_namespaced_custom_object("hivekeeper.dev", "v1alpha1", NS, plural, document)
+    claim = wait_for(lambda: cluster.object(PVCS, NS, claim_name), what=f"the claim {claim_name}")
+    owner = cluster.object(f"hivekeeper.dev/v1alpha1/{plural}", NS, document["metadata"]["name"])
+    assert claim["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
+    return claim
+
+
 def test_expert_checkpoints_claim_outlives_scaling_and_edits_and_goes_with_the_pool(cluster, client, start_operator):
     start_operator()
     document = example("expertpool.yaml", {"spec": {"checkpoint": {"volumeClaim": {"size": "2Gi"}}}})
-    custom(client).create_namespaced_custom_object("hivekeeper.dev", "v1alpha1", NS, "expertpools", document)
-    claim = wait_for(lambda: cluster.object(PVCS, NS, "digits-moe-checkpoints"), what="the checkpoint claim")
-    pool = cluster.object("hivekeeper.dev/v1alpha1/expertpools", NS, "digits-moe")
-    assert claim["metadata"]["ownerReferences"][0]["uid"] == pool["metadata"]["uid"]
+    claim = owned_claim(cluster, client, "expertpools", document, "digits-moe-checkpoints")
     assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "2Gi"}}}
     shared = ("digits-moe-checkpoints", "/var/lib/hivekeeper/experts")
     assert wait_for(lambda: checkpoint_volume(cluster), what="the servers' checkpoint volume") == shared
@@ -282,10 +288,7 @@ def test_a_monitor_claim_is_made_for_the_swarm_and_a_placement_naming_a_pod_volu
         cluster, client, start_operator):
     start_operator()
     document = example("swarm-digits.yaml", {"spec": {"monitor": {"volumeClaim": {"size": "1Gi"}}}})
-    custom(client).create_namespaced_custom_object("hivekeeper.dev", "v1alpha1", NS, "swarms", document)
-    claim = wait_for(lambda: cluster.object(PVCS, NS, "digits-checkpoints"), what="the monitor's checkpoint claim")
-    swarm = cluster.object("hivekeeper.dev/v1alpha1/swarms", NS, "digits")
-    assert claim["metadata"]["ownerReferences"][0]["uid"] == swarm["metadata"]["uid"]
+    owned_claim(cluster, client, "swarms", document, "digits-checkpoints")
     job = wait_for(lambda: cluster.object(JOBS, NS, "digits-monitor"), what="the monitor's Job")
     assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "digits-checkpoints"}} in \
         job["spec"]["template"]["spec"]["volumes"]
