@@ -74,6 +74,7 @@ from hivemind.utils.asyncio import enter_asynchronously
 
 from hivekeeper.hivemind_ext import check_hivemind_version
 from hivekeeper.hivemind_ext.group_round import Group, abandon_on_failure, add_averages, bandwidth_split, start_runner
+from hivekeeper.hivemind_ext.robust import CenteredClip, robust_runner
 
 check_hivemind_version(__name__)
 
@@ -196,8 +197,9 @@ class PlannedAverager(DecentralizedAverager):
     """DecentralizedAverager whose groups split the vector per a plan; see the module
     docstring. Combine with other averager classes through `planned(cls)`."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, aggregation: Optional[CenteredClip] = None, **kwargs: Any):
         self._plan: Optional[tuple[dict[str, float], float, str]] = None  # shares, expiry (DHT time), digest
+        self._aggregation = aggregation  # None: hivemind's weighted mean
         # created before super().__init__, which may fork the child: the child writes, the parent reads
         self._report = mp.get_context("fork").Array(ctypes.c_double, 8)
         super().__init__(*args, **kwargs)
@@ -259,10 +261,13 @@ class PlannedAverager(DecentralizedAverager):
 
     async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id: Optional[bytes] = None,
                                       **kwargs: Any):
-        """hivemind's, but planned rounds (the ones that pass modes) use `_PlannedRunner`, and the
+        """hivemind's, but planned rounds (the ones that pass modes) use `_PlannedRunner`, a robust
+        aggregation (CenteredClip) replaces the mean in planned and fallback rounds alike, and the
         elements this peer aggregates (and any it never got back) are reported."""
-        runner = start_runner(self, tensors, group_info, group_id,
-                              _PlannedRunner if kwargs.get("modes") is not None else AllReduceRunner, **kwargs)
+        runner_class = _PlannedRunner if kwargs.get("modes") is not None else AllReduceRunner
+        if self._aggregation is not None:
+            runner_class, kwargs = robust_runner(runner_class), dict(kwargs, aggregation=self._aggregation)
+        runner = start_runner(self, tensors, group_info, group_id, runner_class, **kwargs)
         self._aggregated_elements = sum(part.numel() for part in runner.parts_for_local_averaging)
         await add_averages(self, runner, tensors, group_info)
         self._missing_elements = runner.tensor_part_container.failed_size

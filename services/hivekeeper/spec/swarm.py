@@ -58,10 +58,24 @@ class BalancerSpec(SpecModel):
     placement: Placement = Field(default_factory=Placement)
 
 
+class CenteredClipSpec(SpecModel):
+    """CenteredClip (Karimireddy, He and Jaggi 2021; decentralized as in BTARD): each aggregator
+    replaces the mean of its part by a center that no single sender can pull further than the
+    clipping radius per iteration."""
+
+    radius: Optional[float] = Field(
+        None, gt=0, description="clipping radius per element (RMS); default: the senders' median distance from "
+                                "their coordinate-wise median, which follows the gradients' spread")
+    iterations: int = Field(3, ge=1, le=50, description="clipping iterations per part")
+
+
 class AveragingSpec(SpecModel):
     matchmaking_seconds: float = Field(2.0, gt=0, description="time to gather a group before each round")
     timeout_seconds: float = Field(30.0, gt=0, description="give up on a round after this long")
     compression: CompressionName = "none"
+    aggregation: Literal["mean", "centeredClip"] = Field(
+        "mean", description="mean: hivemind's weighted mean; centeredClip: robust to hostile peers (docs/security.md)")
+    centered_clip: CenteredClipSpec = Field(default_factory=CenteredClipSpec)
     delayed_parameter_updates: StrictBool = Field(False, description="DeDLOC's DPU: step in the background while computing")
     target_group_size: Optional[int] = Field(
         None, ge=2, description="all-reduce group size; default: the size that averages fastest given "

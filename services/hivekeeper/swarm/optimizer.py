@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from hivekeeper.metrics import SwarmMetrics
-from hivekeeper.spec.swarm import SwarmSpec
+from hivekeeper.spec.swarm import AveragingSpec, SwarmSpec
 from hivekeeper.training.optimizers import scheduler_factory, torch_optimizer_factory
 
 # Bytes a tensor element takes on the wire under each compression (hivemind's serializers).
@@ -50,6 +50,15 @@ def chunk_timeout(matchmaking_seconds: float, timeout_seconds: float) -> float:
     stalls for a second; a quarter of the round's timeout still leaves a hung peer's group the
     time to finish without it (the reducer's limit is twice this)."""
     return max(matchmaking_seconds, timeout_seconds / 4)
+
+
+def robust_aggregation(averaging: AveragingSpec):
+    """The CenteredClip the spec asks aggregators to apply, or None for hivemind's mean."""
+    if averaging.aggregation != "centeredClip":
+        return None
+    from hivekeeper.hivemind_ext.robust import CenteredClip
+
+    return CenteredClip(radius=averaging.centered_clip.radius, iterations=averaging.centered_clip.iterations)
 
 
 def averager_options(target_group_size: Optional[int], matchmaking_seconds: float) -> dict:
@@ -93,7 +102,8 @@ def make_collaborative_optimizer(
         grad_compression=grad_compression,
         state_averaging_compression=grad_compression,
         grad_averager_factory=partial(
-            PlannedCountingGradientAverager, wire_bytes_per_element=WIRE_BYTES_PER_ELEMENT[averaging.compression]
+            PlannedCountingGradientAverager, wire_bytes_per_element=WIRE_BYTES_PER_ELEMENT[averaging.compression],
+            aggregation=robust_aggregation(averaging),
         ),
         averager_opts=averager_options(averaging_group_size(spec), averaging.matchmaking_seconds),
         tracker_opts=TRACKER_REFRESH,
