@@ -12,6 +12,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from conftest import REPO
 from hivekeeper.blocks.metrics import BlockMetrics
 from hivekeeper.experts.common import ExpertMetrics
+from hivekeeper.hivemind_ext.admission import RefusalCounts
 from hivekeeper.metrics import SwarmMetrics
 from hivekeeper.volunteer.metrics import AuthMetrics, RelayMetrics
 from hivekeeper_operator.metrics import OperatorMetrics
@@ -34,6 +35,9 @@ def defined() -> dict[str, tuple[str, set[str]]]:
                 name = family.name + SUFFIX.get(family.type, "")
                 assert out.get(name, (family.type, labels)) == (family.type, labels), f"{name} differs between kinds"
                 out[name] = (family.type, labels)
+    for collector in (RefusalCounts(),):  # custom collectors every role of an open resource registers
+        for family in collector.collect():
+            out[family.name + SUFFIX.get(family.type, "")] = (family.type, {k for s in family.samples for k in s.labels})
     return out
 
 

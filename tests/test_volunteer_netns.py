@@ -63,6 +63,55 @@ else:
         dht.shutdown()
 """
 
+# A hivemind peer with no token that knows every peer's ID and addresses (the test reads them
+# from the swarm's DHT for it) and calls each RPC those peers serve, with the product's own stubs.
+STRANGER = """
+import asyncio, json, sys, time
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import averaging_pb2, test_pb2
+from hivemind.utils.multiaddr import Multiaddr
+from hivekeeper.hivemind_ext.allreduce import PlannedCountingGradientAverager
+from hivekeeper.hivemind_ext.optimizer import FiniteStateAverager
+from hivekeeper.runtime.bandwidth import PROBE_HANDLER
+
+async def outcome(call):
+    try:
+        return "served: " + str(await asyncio.wait_for(call(), 20))[:80]
+    except Exception as e:
+        return type(e).__name__ + ": " + str(e)
+
+async def main(name, targets):
+    p2p = await P2P.create(host_maddrs=["/ip4/0.0.0.0/tcp/0"])
+    results = {}
+    for target in targets:
+        peer = PeerID.from_base58(target["peerId"])
+        await p2p._client.connect(peer, [Multiaddr(m.split("/p2p/")[0]) for m in target["maddrs"]])
+        calls = {}
+        if target["role"] == "backbone":
+            async def probe():
+                _, reader, writer = await p2p.call_binary_stream_handler(peer, PROBE_HANDLER)
+                _, error = await P2P.receive_protobuf(test_pb2.TestResponse, reader)
+                return error.message if error else "probe answered"
+            calls["bandwidth probe"] = probe
+        if target["role"] == "trainer":
+            state = FiniteStateAverager.get_stub(p2p, peer, namespace=name + "_state_averager")
+            grads = PlannedCountingGradientAverager.get_stub(p2p, peer, namespace=name + "_grad_averager")
+            async def download(state=state):
+                async for message in await state.rpc_download_state(averaging_pb2.DownloadRequest()):
+                    return "state: " + str(len(message.tensor_part.buffer)) + " bytes"
+            async def join(grads=grads):
+                request = averaging_pb2.JoinRequest(schema_hash=b"x", expiration=time.time() + 5, gather=b"")
+                async for message in await grads.rpc_join_group(request):
+                    return "join answered: " + str(message.code)
+            calls.update({"state download": download, "join group": join})
+        for what, call in calls.items():
+            results[target["role"] + " " + what] = await outcome(call)
+    await p2p.shutdown()
+    print(json.dumps(results))
+
+asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))
+"""
+
 
 def get_json(lab: NatLab, ns: str, url: str) -> Optional[Any]:
     done = lab.run(ns, ["curl", "-sf", "--max-time", "3", url], check=False, timeout=10)
@@ -235,6 +284,29 @@ def test_a_peer_without_a_token_gets_nothing(cluster):
     relays = json.loads((cluster.run_dir / "keys" / "swarm-info.json").read_text())["relays"]
     intruder = lab.run(lab.home, [sys.executable, "-c", INTRUDER, NAME, *relays], check=False, timeout=120)
     assert "records: 0" in intruder.stdout or "refused" in intruder.stdout, intruder.stdout + intruder.stderr[-2000:]
+    wait_for(lambda: (cluster.status("monitor-0") or {}).get("globalStep", 0) > step, 90, "training to go on")
+
+
+def test_a_stranger_who_knows_every_address_gets_no_rpc_served(cluster):
+    """Addresses and peer IDs are no secret: a peer without a token dials the backbone and the
+    trainer directly and calls their RPCs (state download, matchmaking, bandwidth probe). Each
+    is refused, the refusals are counted, and the swarm trains on."""
+    lab = cluster.lab
+    targets = [{"role": r["role"], "peerId": r["peerId"], "maddrs": r["maddrs"]} for r in cluster.reports()
+               if r.get("role") in ("backbone", "trainer") and r.get("maddrs")]
+    assert {t["role"] for t in targets} == {"backbone", "trainer"}, targets
+    step = (cluster.status("monitor-0") or {}).get("globalStep", 0)
+    done = lab.run(lab.cluster, [sys.executable, "-c", STRANGER, NAME, json.dumps(targets)], check=False, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(results) >= {"backbone bandwidth probe", "trainer state download", "trainer join group"}, results
+    served = {call: outcome for call, outcome in results.items() if "hivekeeper admission refused" not in outcome}
+    assert not served, served
+    port = json.loads((cluster.run_dir / "ports.json").read_text())["trainer-0"]
+    metrics = lab.run(lab.cluster, ["curl", "-sf", "--max-time", "3", f"http://{lab.cluster_ip}:{port}/metrics"],
+                      check=False, timeout=10).stdout
+    refused = [line for line in metrics.splitlines() if line.startswith('hivekeeper_rpc_refused_total{reason="not_admitted"}')]
+    assert refused and float(refused[0].split()[-1]) >= 2, metrics[-2000:]
     wait_for(lambda: (cluster.status("monitor-0") or {}).get("globalStep", 0) > step, 90, "training to go on")
 
 

@@ -44,6 +44,11 @@ class SwarmAuthorizer(TokenAuthorizerBase):
     def swarm_public_key(self) -> RSAPublicKey | None:
         return self.grant.swarm_public_key if self.grant else None
 
+    @property
+    def private_key(self) -> RSAPrivateKey:
+        """The key this peer's token vouches for (it proves the token is this peer's)."""
+        return self._local_private_key
+
     def fetch_grant(self) -> Grant:
         """Ask the gateway until it answers (backing off while it is down, for up to `patience`
         seconds, None: no limit). AccessRefused is final: it is not retried."""

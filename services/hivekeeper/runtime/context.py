@@ -29,6 +29,7 @@ class RoleContext(Generic[SpecT]):
     endpoint: ServiceEndpoint | None = None
     status: dict[str, Any] = field(default_factory=dict)
     client_mode: bool = False  # set by make_dht: whether this peer accepts connections
+    maddrs: list[str] = field(default_factory=list)  # set by make_dht: where others dial this peer
     # how long a report outlives its peer's silence: a kind whose steps block (a Swarm's averaging
     # round) adds that time
     report_ttl: float = reports.REPORT_EXPIRATION
@@ -83,7 +84,8 @@ class RoleContext(Generic[SpecT]):
         raise AssertionError("unreachable")
 
     def authorizer(self):
-        """Signs and checks every DHT request when the resource admits peers by token."""
+        """Signs and checks every DHT request when the resource admits peers by token (and, once
+        installed, admits every other RPC: hivemind_ext.admission)."""
         if not self.option("gateway"):
             return None
         if not self.option("invite"):
@@ -107,6 +109,11 @@ class RoleContext(Generic[SpecT]):
         client_mode = client_mode or bool(self.option("client_mode"))
         self.client_mode = client_mode
         relays = list(self.option("relay") or ())
+        authorizer = self.authorizer()
+        if authorizer is not None:  # before the DHT forks its process: it serves RPCs too
+            from hivekeeper.hivemind_ext.admission import install
+
+            install(authorizer, self.metrics.registry)
         if relays:
             from hivekeeper.hivemind_ext.p2pd import use_static_relays
 
@@ -119,7 +126,7 @@ class RoleContext(Generic[SpecT]):
             client_mode=client_mode,
             use_auto_relay=bool(relays),
             trusted_relays=relays or None,
-            authorizer=self.authorizer(),
+            authorizer=authorizer,
             start=True,
             # Ctrl-C reaches every process in the terminal's group; we shut the DHT down ourselves.
             daemon=True,
@@ -131,6 +138,7 @@ class RoleContext(Generic[SpecT]):
             from hivekeeper.hivemind_ext.p2pd import keep_direct_connections
 
             dht.run_coroutine(keep_direct_connections)
+        self.maddrs = [] if client_mode else [str(a) for a in dht.get_visible_maddrs()]
         self.metrics.peer_info.info(
             {"swarm": self.run_id, "role": self.role, "peer": self.peer_name, "peer_id": str(dht.peer_id),
              "client_mode": str(bool(client_mode)).lower()}
@@ -142,7 +150,7 @@ class RoleContext(Generic[SpecT]):
         from hivemind.utils import get_dht_time
 
         record = {"role": self.role, "name": self.peer_name, "time": time.time(), "peerId": str(dht.peer_id),
-                  "metrics": self.metrics_address, "clientMode": self.client_mode, **report}
+                  "metrics": self.metrics_address, "clientMode": self.client_mode, "maddrs": self.maddrs, **report}
         dht.store(self.run_id + reports.PEERS_KEY, subkey=str(dht.peer_id), value=record,
                   expiration_time=get_dht_time() + self.report_ttl, return_future=True)
 
