@@ -1,10 +1,12 @@
 """Admission by token without a DHT: the swarm key, invites, access tokens, the token service
-(a real gRPC server on 127.0.0.1) and the authorizer's dealings with it."""
+(a real gRPC server over TLS on 127.0.0.1, pinned by the swarm key's fingerprint) and the
+authorizer's dealings with it."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import os
 import signal
@@ -15,9 +17,12 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent import futures
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.crypto import RSAPrivateKey
@@ -25,11 +30,26 @@ from hivemind.utils.crypto import RSAPrivateKey
 from conftest import REPO, wait_for, write_manifest
 from hivekeeper.auth import protocol
 from hivekeeper.auth.authorizer import make_authorizer
-from hivekeeper.auth.client import AccessRefused, GatewayUnavailable, request_access
+from hivekeeper.auth.client import AccessRefused, GatewayUnavailable, UntrustedGateway, pinned_channel, request_access
 from hivekeeper.auth.gateway import Allowlist, TokenService, serve_gateway
-from hivekeeper.auth.keys import load_or_create_swarm_key, load_swarm_key, load_swarm_public_key, public_key_text
+from hivekeeper.auth.keys import (
+    load_or_create_swarm_key,
+    load_swarm_key,
+    load_swarm_public_key,
+    public_key_text,
+    unwrap_private_key,
+)
+from hivekeeper.auth.tls import (
+    GATEWAY_TLS_NAME,
+    RotatingCertificate,
+    certificate_fingerprint,
+    fetch_certificate,
+    key_fingerprint,
+)
 from hivekeeper.auth.tokens import (
+    _INVITE_DOMAIN,
     InvalidToken,
+    _b64,
     _token_bytes,
     issue_access_token,
     mint_invite,
@@ -99,6 +119,27 @@ def test_invite_round_trip(swarm_key):
     read = read_invite(text + "\n", swarm_key.get_public_key())  # as read from a file
     assert (read.identity, read.internal) == ("pool/trainer-0", True)
     assert read_invite(invite(swarm_key, "bob"), swarm_key.get_public_key()).internal is False
+    assert read.key_fingerprint == key_fingerprint(swarm_key.get_public_key())
+
+
+def test_key_fingerprint_is_the_sha256_of_the_public_key_info(swarm_key, other_key):
+    """The invite's pin, as anyone can recompute it: `openssl pkey -pubin -outform DER | sha256`."""
+    public = unwrap_private_key(swarm_key).public_key()
+    der = public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    expected = base64.urlsafe_b64encode(hashlib.sha256(der).digest()).rstrip(b"=").decode()
+    assert key_fingerprint(swarm_key.get_public_key()) == key_fingerprint(public) == expected
+    assert key_fingerprint(other_key.get_public_key()) != expected
+    certificate = RotatingCertificate(unwrap_private_key(swarm_key)).current()[1]
+    assert certificate_fingerprint(certificate) == expected
+    names = x509.load_pem_x509_certificate(certificate).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert names == [GATEWAY_TLS_NAME]
+
+
+def _signed_invite(key: RSAPrivateKey, claims: dict) -> str:
+    """An invite with exactly these claims, signed by `key` as mint_invite signs."""
+    payload = _b64(json.dumps(claims).encode())
+    return f"hk1.{payload}.{_b64(base64.b64decode(key.sign(_INVITE_DOMAIN + payload.encode())))}"
 
 
 def _tampered(text: str) -> str:
@@ -118,6 +159,8 @@ def _tampered(text: str) -> str:
     ("truncated", "bad_signature", "not signed by this swarm's key"),
     ("not json", "malformed", "damaged"),
     ("not text", "malformed", "is text"),
+    ("older hivekeeper", "malformed", "'alice' was made by an older hivekeeper .*: mint a new invite"),
+    ("names another key", "bad_signature", "names another swarm key than the one that signed it"),
 ])
 def test_bad_invites_are_refused_with_a_reason(swarm_key, other_key, case, reason, message):
     good = invite(swarm_key)
@@ -131,6 +174,9 @@ def test_bad_invites_are_refused_with_a_reason(swarm_key, other_key, case, reaso
         "truncated": good[:-7],
         "not json": "hk1." + base64.urlsafe_b64encode(b"{nope").decode() + ".AAAA",
         "not text": b"hk1.abc.def",
+        "older hivekeeper": _signed_invite(swarm_key, {"sub": "alice", "exp": time.time() + HOUR, "int": False}),
+        "names another key": _signed_invite(swarm_key, {"sub": "alice", "exp": time.time() + HOUR,
+                                                        "key": key_fingerprint(other_key.get_public_key())}),
     }[case]
     with pytest.raises(InvalidToken, match=message) as refused:
         read_invite(text, swarm_key.get_public_key())
@@ -203,7 +249,7 @@ def gateway(swarm_key, tmp_path):
 def join_raw(gateway, body: bytes | dict) -> tuple[grpc.StatusCode, str]:
     """One Join call as any client could make it; the status and its message."""
     data = body if isinstance(body, bytes) else protocol.encode(body)
-    with grpc.insecure_channel(gateway.address) as channel:
+    with pinned_channel(gateway.address, gateway.key_fingerprint) as channel:
         try:
             channel.unary_unary(protocol.JOIN_METHOD)(data, timeout=10)
         except grpc.RpcError as e:
@@ -269,6 +315,9 @@ def test_refused_client_gets_one_clear_error(gateway, swarm_key, peer_key):
         request_access("127.0.0.1:1", mint_invite(swarm_key, "alice", time.time() - 1), peer_key)
     with pytest.raises(AccessRefused, match="not a hivekeeper invite"):
         request_access("127.0.0.1:1", "not an invite", peer_key)
+    older = _signed_invite(swarm_key, {"sub": "alice", "exp": time.time() + HOUR, "int": False})
+    with pytest.raises(AccessRefused, match="INVALID_ARGUMENT.*older hivekeeper .*: mint a new invite"):
+        request_access("127.0.0.1:1", older, peer_key)
 
 
 def test_join_refuses_an_identity_off_the_allowlist_and_a_silent_gateway_clearly(gateway, swarm_key, tmp_path):
@@ -286,7 +335,7 @@ def test_join_refuses_an_identity_off_the_allowlist_and_a_silent_gateway_clearly
 
 
 def test_health_service_reports_serving(gateway):
-    with grpc.insecure_channel(gateway.address) as channel:
+    with pinned_channel(gateway.address, gateway.key_fingerprint) as channel:
         check = health_pb2_grpc.HealthStub(channel).Check
         for service in ("", "hivekeeper.Gateway"):
             assert check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == \
@@ -315,19 +364,95 @@ def test_allowlist_file_edits_take_effect_without_restart(gateway, swarm_key, pe
         request_access(gateway.address, invite(swarm_key, "carol"), peer_key)
 
 
-def test_client_trusts_only_the_key_that_signed_its_invite(gateway, swarm_key, other_key, peer_key):
-    """A gateway that is not the swarm's cannot hand out a key of its own choosing."""
-    rogue = TokenService(other_key, Allowlist(), lambda: {})
-    rogue.admit = lambda raw: {  # issues anything to anyone, signed by its own key
-        "identity": "alice", "swarm": {}, "swarmPublicKey": public_key_text(other_key.get_public_key()),
-        "accessToken": base64.b64encode(issue_access_token(
-            other_key, "alice", peer_key.get_public_key().to_bytes(), HOUR).SerializeToString()).decode()}
+def test_client_trusts_only_the_key_that_signed_its_invite(swarm_key, other_key, peer_key):
+    """Even behind the swarm's own certificate, a reply cannot hand out a key of its own choosing."""
+    def reply(reply_key: RSAPrivateKey, token_key: RSAPrivateKey) -> dict:
+        return {"identity": "alice", "swarm": {}, "swarmPublicKey": public_key_text(reply_key.get_public_key()),
+                "accessToken": base64.b64encode(issue_access_token(
+                    token_key, "alice", peer_key.get_public_key().to_bytes(), HOUR).SerializeToString()).decode()}
+
+    rogue = TokenService(swarm_key, Allowlist(), lambda: {})
     server = serve_gateway(rogue)
     try:
-        with pytest.raises(AccessRefused, match="does not check out"):
-            request_access(f"127.0.0.1:{server.port}", invite(swarm_key, "alice"), peer_key)
+        for reply_key, token_key, why in [(other_key, other_key, "its swarm key is not the one the invite names"),
+                                          (swarm_key, other_key, "token does not check out .bad_signature")]:
+            rogue.admit = lambda raw: reply(reply_key, token_key)  # issues anything to anyone
+            with pytest.raises(AccessRefused, match=why):
+                request_access(f"127.0.0.1:{server.port}", invite(swarm_key, "alice"), peer_key)
     finally:
         server.stop(grace=0)
+
+
+# --- TLS, pinned by the invite ----------------------------------------------------------------
+
+
+def test_gateway_speaks_tls_only_with_a_certificate_for_the_swarm_key(gateway, swarm_key):
+    with grpc.insecure_channel(gateway.address) as channel:  # what the gateway spoke before
+        with pytest.raises(grpc.RpcError) as plaintext:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
+    served = fetch_certificate(gateway.address, timeout=5)
+    assert certificate_fingerprint(served) == gateway.key_fingerprint == key_fingerprint(swarm_key.get_public_key())
+    assert gateway.refusals == [] and gateway.issued == []
+
+
+def test_client_refuses_a_gateway_without_the_invites_key_before_sending_the_invite(swarm_key, other_key, peer_key):
+    """A man in the middle: a token service with a key of its own, at the address the volunteer dials."""
+    received: list[bytes] = []
+    impostor = TokenService(other_key, Allowlist(["alice"]), lambda: SWARM_INFO)
+    impostor.admit = lambda raw: received.append(raw) or {}
+    server = serve_gateway(impostor)
+    address = f"127.0.0.1:{server.port}"
+    try:
+        with pytest.raises(UntrustedGateway, match=f"UNAUTHENTICATED.*at {address} does not hold the swarm key the "
+                                                   "invite names .*the invite was not sent") as refused:
+            request_access(address, invite(swarm_key, "alice"), peer_key)
+        assert isinstance(refused.value, AccessRefused)  # final: the authorizer does not retry it
+        assert key_fingerprint(other_key.get_public_key()) in str(refused.value)
+        assert key_fingerprint(swarm_key.get_public_key()) in str(refused.value)
+        assert received == []
+        # the same impostor, dialed with its own swarm's invite, is trusted
+        with pinned_channel(address, server.key_fingerprint) as channel:
+            channel.unary_unary(protocol.JOIN_METHOD)(b"{}", timeout=10)
+        assert received == [b"{}"]
+    finally:
+        server.stop(grace=0)
+
+
+def test_client_refuses_a_gateway_that_speaks_plaintext(swarm_key, peer_key):
+    """A token service of an older hivekeeper: no TLS, so nothing to pin; not worth retrying."""
+    plain = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = plain.add_insecure_port("127.0.0.1:0")
+    plain.start()
+    try:
+        with pytest.raises(AccessRefused, match="FAILED_PRECONDITION.*does not speak TLS"):
+            request_access(f"127.0.0.1:{port}", invite(swarm_key, "alice"), peer_key)
+    finally:
+        plain.stop(0).wait()
+    with pytest.raises(AccessRefused, match="INVALID_ARGUMENT.*not HOST:PORT"):
+        request_access("no-port-here", invite(swarm_key, "alice"), peer_key)
+
+
+def test_gateway_renews_its_certificate_and_clients_follow(swarm_key, other_key, peer_key):
+    clock = [time.time() - 1.5 * 24 * 3600]  # made a day and a half ago (clients check validity on the real clock)
+    certificate = RotatingCertificate(unwrap_private_key(swarm_key), days=2, clock=lambda: clock[0])
+    server = serve_gateway(TokenService(swarm_key, Allowlist(["alice"]), lambda: SWARM_INFO), certificate=certificate)
+    address = f"127.0.0.1:{server.port}"
+    try:
+        first = fetch_certificate(address, timeout=5)
+        assert request_access(address, invite(swarm_key, "alice"), peer_key).identity == "alice"
+        assert fetch_certificate(address, timeout=5) == first  # not yet half way through
+        clock[0] = time.time()
+        renewed = fetch_certificate(address, timeout=5)  # each new connection may get a new certificate
+        assert renewed != first and certificate_fingerprint(renewed) == certificate_fingerprint(first)
+        assert x509.load_pem_x509_certificate(renewed).not_valid_after_utc > \
+            x509.load_pem_x509_certificate(first).not_valid_after_utc
+        assert request_access(address, invite(swarm_key, "alice"), peer_key).identity == "alice"
+    finally:
+        server.stop(grace=0)
+    with pytest.raises(ValueError, match="must hold the swarm's key"):
+        serve_gateway(TokenService(swarm_key, Allowlist(), dict), certificate=RotatingCertificate(
+            unwrap_private_key(other_key)))
 
 
 # --- the authorizer and the gateway -----------------------------------------------------------
@@ -416,14 +541,15 @@ def test_auth_role_serves_tokens_health_and_metrics(tmp_path, swarm_key, peer_ke
             assert request_access(gateway, invite(key, identity), peer_key).swarm == SWARM_INFO
         with pytest.raises(AccessRefused, match="PERMISSION_DENIED"):
             request_access(gateway, invite(key, "mallory"), peer_key)
-        with pytest.raises(AccessRefused, match="UNAUTHENTICATED"):
-            request_access(gateway, invite(swarm_key, "alice"), peer_key)  # not this swarm's key
+        with pytest.raises(UntrustedGateway):  # another swarm's invite: refused before it is sent
+            request_access(gateway, invite(swarm_key, "alice"), peer_key)
         metrics = http("/metrics")
         assert 'hivekeeper_auth_tokens_issued_total{kind="volunteer"} 2.0' in metrics
         assert 'hivekeeper_auth_refusals_total{reason="not_allowlisted"} 1.0' in metrics
-        assert 'hivekeeper_auth_refusals_total{reason="bad_signature"} 1.0' in metrics
-        assert json.loads(http("/status"))["gateway"] == gateway
-        with grpc.insecure_channel(gateway) as channel:
+        assert 'hivekeeper_auth_refusals_total{reason="bad_signature"} 0.0' in metrics
+        status = json.loads(http("/status"))
+        assert status["gateway"] == gateway and status["keyFingerprint"] == key_fingerprint(key.get_public_key())
+        with pinned_channel(gateway, key_fingerprint(key.get_public_key())) as channel:
             assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
                 health_pb2.HealthCheckResponse.SERVING
         role.send_signal(signal.SIGTERM)

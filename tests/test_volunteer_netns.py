@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,53 +64,81 @@ else:
         dht.shutdown()
 """
 
-# A hivemind peer with no token that knows every peer's ID and addresses (the test reads them
-# from the swarm's DHT for it) and calls each RPC those peers serve, with the product's own stubs.
-STRANGER = """
-import asyncio, json, sys, time
+# A hivemind peer that knows every peer's ID and addresses (the test reads them from the swarm's
+# DHT for it) and calls each RPC those peers serve, with the product's own stubs. Without a swarm
+# key it holds no token (a stranger). With one, it mints itself a token that lives TTL seconds
+# (a volunteer whose renewals stop once it is off the allowlist), calls, waits out the token and
+# calls again.
+CALLER = """
+import asyncio, json, struct, sys, time
 from hivemind.p2p import P2P, PeerID
-from hivemind.proto import averaging_pb2, test_pb2
+from hivemind.proto import averaging_pb2
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
+from hivekeeper.auth.keys import load_swarm_key
+from hivekeeper.auth.tokens import issue_access_token
+from hivekeeper.hivemind_ext import admission
 from hivekeeper.hivemind_ext.allreduce import PlannedCountingGradientAverager
 from hivekeeper.hivemind_ext.optimizer import FiniteStateAverager
 from hivekeeper.runtime.bandwidth import PROBE_HANDLER
 
+class Credentials:
+    def __init__(self, swarm_key, ttl):
+        self.private_key, self.swarm_public_key = RSAPrivateKey(), swarm_key.get_public_key()
+        self.token = issue_access_token(swarm_key, "leaving", self.private_key.get_public_key().to_bytes(), ttl)
+    async def get_token(self):
+        return self.token
+
 async def outcome(call):
     try:
-        return "served: " + str(await asyncio.wait_for(call(), 20))[:80]
+        return "answer: " + str(await asyncio.wait_for(call(), 20))[:120]
     except Exception as e:
         return type(e).__name__ + ": " + str(e)
 
-async def main(name, targets):
-    p2p = await P2P.create(host_maddrs=["/ip4/0.0.0.0/tcp/0"])
-    results = {}
-    for target in targets:
-        peer = PeerID.from_base58(target["peerId"])
-        await p2p._client.connect(peer, [Multiaddr(m.split("/p2p/")[0]) for m in target["maddrs"]])
-        calls = {}
-        if target["role"] == "backbone":
-            async def probe():
-                _, reader, writer = await p2p.call_binary_stream_handler(peer, PROBE_HANDLER)
-                _, error = await P2P.receive_protobuf(test_pb2.TestResponse, reader)
-                return error.message if error else "probe answered"
-            calls["bandwidth probe"] = probe
-        if target["role"] == "trainer":
-            state = FiniteStateAverager.get_stub(p2p, peer, namespace=name + "_state_averager")
-            grads = PlannedCountingGradientAverager.get_stub(p2p, peer, namespace=name + "_grad_averager")
-            async def download(state=state):
-                async for message in await state.rpc_download_state(averaging_pb2.DownloadRequest()):
-                    return "state: " + str(len(message.tensor_part.buffer)) + " bytes"
-            async def join(grads=grads):
-                request = averaging_pb2.JoinRequest(schema_hash=b"x", expiration=time.time() + 5, gather=b"")
-                async for message in await grads.rpc_join_group(request):
-                    return "join answered: " + str(message.code)
-            calls.update({"state download": download, "join group": join})
-        for what, call in calls.items():
-            results[target["role"] + " " + what] = await outcome(call)
-    await p2p.shutdown()
-    print(json.dumps(results))
+async def calls(p2p, name, target):
+    peer = PeerID.from_base58(target["peerId"])
+    found = {}
+    if target["role"] == "backbone":
+        async def probe():
+            _, reader, writer = await p2p.call_binary_stream_handler(peer, PROBE_HANDLER)
+            writer.write(struct.pack("!QQ", 4096, 4096) + bytes(4096))
+            data = await reader.read(-1)
+            return data.decode(errors="replace") if b"refused" in data else f"probe of {len(data)} bytes"
+        found["bandwidth probe"] = probe
+    if target["role"] == "trainer":
+        state = FiniteStateAverager.get_stub(p2p, peer, namespace=name + "_state_averager")
+        grads = PlannedCountingGradientAverager.get_stub(p2p, peer, namespace=name + "_grad_averager")
+        async def download():
+            async for message in await state.rpc_download_state(averaging_pb2.DownloadRequest()):
+                return "state, first part " + str(len(message.tensor_part.buffer)) + " bytes"
+        async def join():
+            request = averaging_pb2.JoinRequest(schema_hash=b"x", expiration=time.time() + 5, gather=b"")
+            async for message in await grads.rpc_join_group(request):
+                return "join group: code " + str(message.code)
+        found.update({"state download": download, "join group": join})
+    return {target["role"] + " " + what: await outcome(call) for what, call in found.items()}
 
-asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))
+async def main(name, targets, swarm_key, ttl):
+    if swarm_key:
+        credentials = Credentials(load_swarm_key(swarm_key), ttl)
+        admission.install(credentials)
+    p2p = await P2P.create(host_maddrs=["/ip4/0.0.0.0/tcp/0"])
+    rounds = []
+    for target in targets:
+        await p2p._client.connect(PeerID.from_base58(target["peerId"]),
+                                  [Multiaddr(m.split("/p2p/")[0]) for m in target["maddrs"]])
+    for _ in range(2 if swarm_key else 1):
+        if rounds:  # the token has run out and is not renewed
+            await asyncio.sleep(max(0.0, ttl + 1 - (time.time() - started)))
+        started = time.time() if not rounds else started
+        results = {}
+        for target in targets:
+            results.update(await calls(p2p, name, target))
+        rounds.append(results)
+    await p2p.shutdown()
+    print(json.dumps(rounds))
+
+asyncio.run(main(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], float(sys.argv[4])))
 """
 
 
@@ -287,27 +316,53 @@ def test_a_peer_without_a_token_gets_nothing(cluster):
     wait_for(lambda: (cluster.status("monitor-0") or {}).get("globalStep", 0) > step, 90, "training to go on")
 
 
-def test_a_stranger_who_knows_every_address_gets_no_rpc_served(cluster):
-    """Addresses and peer IDs are no secret: a peer without a token dials the backbone and the
-    trainer directly and calls their RPCs (state download, matchmaking, bandwidth probe). Each
-    is refused, the refusals are counted, and the swarm trains on."""
+def call_every_rpc(cluster: Cluster, swarm_key: str = "", ttl: float = 0.0) -> list[dict[str, str]]:
+    """CALLER's outcomes, a round of calls each (see above), to the backbone and the trainer."""
     lab = cluster.lab
     targets = [{"role": r["role"], "peerId": r["peerId"], "maddrs": r["maddrs"]} for r in cluster.reports()
                if r.get("role") in ("backbone", "trainer") and r.get("maddrs")]
     assert {t["role"] for t in targets} == {"backbone", "trainer"}, targets
-    step = (cluster.status("monitor-0") or {}).get("globalStep", 0)
-    done = lab.run(lab.cluster, [sys.executable, "-c", STRANGER, NAME, json.dumps(targets)], check=False, timeout=180)
+    done = lab.run(lab.cluster, [sys.executable, "-c", CALLER, NAME, json.dumps(targets), swarm_key, str(ttl)],
+                   check=False, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(results) >= {"backbone bandwidth probe", "trainer state download", "trainer join group"}, results
-    served = {call: outcome for call, outcome in results.items() if "hivekeeper admission refused" not in outcome}
-    assert not served, served
+    rounds = json.loads(done.stdout.strip().splitlines()[-1])
+    for results in rounds:
+        assert set(results) == {"backbone bandwidth probe", "trainer state download", "trainer join group"}, results
+    return rounds
+
+
+def refused(results: dict[str, str]) -> dict[str, str]:
+    return {call: outcome for call, outcome in results.items() if "hivekeeper admission refused" in outcome}
+
+
+def trainer_refusals(cluster: Cluster) -> dict[str, float]:
     port = json.loads((cluster.run_dir / "ports.json").read_text())["trainer-0"]
-    metrics = lab.run(lab.cluster, ["curl", "-sf", "--max-time", "3", f"http://{lab.cluster_ip}:{port}/metrics"],
-                      check=False, timeout=10).stdout
-    refused = [line for line in metrics.splitlines() if line.startswith('hivekeeper_rpc_refused_total{reason="not_admitted"}')]
-    assert refused and float(refused[0].split()[-1]) >= 2, metrics[-2000:]
+    text = cluster.lab.run(cluster.lab.cluster, ["curl", "-sf", "--max-time", "3",
+                                                 f"http://{cluster.lab.cluster_ip}:{port}/metrics"],
+                           check=False, timeout=10).stdout
+    found = re.findall(r'^hivekeeper_rpc_refused_total\{reason="(\w+)"\} (\S+)$', text, re.MULTILINE)
+    return {reason: float(value) for reason, value in found}
+
+
+def test_a_stranger_who_knows_every_address_gets_no_rpc_served(cluster):
+    """Addresses and peer IDs are no secret: a peer without a token dials the backbone and the
+    trainer directly and calls their RPCs (state download, matchmaking, bandwidth probe). Each
+    is refused, the refusals are counted, and the swarm trains on."""
+    step = (cluster.status("monitor-0") or {}).get("globalStep", 0)
+    before = trainer_refusals(cluster).get("not_admitted", 0.0)
+    [results] = call_every_rpc(cluster)
+    assert refused(results) == results, results
+    assert trainer_refusals(cluster).get("not_admitted", 0.0) >= before + 2  # its two calls to the trainer
     wait_for(lambda: (cluster.status("monitor-0") or {}).get("globalStep", 0) > step, 90, "training to go on")
+
+
+def test_a_revoked_identity_loses_access_when_its_token_runs_out(cluster):
+    """A token holder is served every RPC; once its token runs out (the token service renews no
+    token for an identity taken off the allowlist: test_auth), every RPC is refused."""
+    ttl = 15.0
+    first, second = call_every_rpc(cluster, str(cluster.run_dir / "keys" / "swarm-auth.pem"), ttl)
+    assert not refused(first) and all(outcome.startswith("answer: ") for outcome in first.values()), first
+    assert refused(second) == second, second
 
 
 @pytest.mark.timeout(420)

@@ -74,6 +74,10 @@ class _SigningKey:
     def get_public_key(self) -> "_SigningKey":
         return _SigningKey(self.key.public_key())
 
+    def to_bytes(self) -> bytes:
+        """Of the public key: its OpenSSH form, like hivemind's RSAPublicKey (invites carry its fingerprint)."""
+        return self.key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+
     def verify(self, data: bytes, signature: bytes) -> bool:
         try:
             self.key.verify(base64.b64decode(signature), data, self._PADDING, hashes.SHA256())

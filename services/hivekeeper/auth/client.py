@@ -1,5 +1,7 @@
 """Asking the token service for access: `request_access` trades an invite and proof of a key
-for an access token, the swarm's public key and what the swarm tells its peers."""
+for an access token, the swarm's public key and what the swarm tells its peers. It talks to
+the gateway over TLS pinned to the swarm key its invite names (hivekeeper.auth.tls), and sends
+the invite only to a gateway that holds that key."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from hivekeeper.auth import protocol
+from hivekeeper.auth.tls import GATEWAY_TLS_NAME, NotTLS, certificate_fingerprint, fetch_certificate, key_fingerprint
 from hivekeeper.auth.tokens import InvalidToken, parse_invite, read_invite, token_expiry, verify_access_token
 from hivekeeper.errors import UserError
 
@@ -27,6 +30,14 @@ class AccessRefused(UserError):
     def __init__(self, code: str, message: str):
         super().__init__(f"access refused ({code}): {message}")
         self.code = code
+
+
+class UntrustedGateway(AccessRefused):
+    """The gateway's certificate does not hold the swarm key the invite names: someone else
+    answers at that address (a man in the middle, another swarm). The invite was not sent."""
+
+    def __init__(self, message: str):
+        super().__init__("UNAUTHENTICATED", message)
 
 
 class GatewayUnavailable(ConnectionError):
@@ -50,7 +61,8 @@ class Grant:
 
 def request_access(gateway: str, invite: str, private_key: RSAPrivateKey, timeout: float = 10.0) -> Grant:
     """One Join call to the gateway at host:port. Raises AccessRefused (the invite is malformed,
-    expired, not allowlisted...) or GatewayUnavailable (worth retrying)."""
+    expired, not allowlisted...; UntrustedGateway: the gateway does not hold the invite's swarm
+    key) or GatewayUnavailable (worth retrying)."""
     invite = invite.strip()
     try:  # what the invite alone says: no need to ask the gateway about a damaged or expired one
         claims = parse_invite(invite)[0]
@@ -58,29 +70,60 @@ def request_access(gateway: str, invite: str, private_key: RSAPrivateKey, timeou
         raise AccessRefused("INVALID_ARGUMENT", str(e)) from None
     if claims.expires_at <= time.time():
         raise AccessRefused("UNAUTHENTICATED", f"the invite for {claims.identity!r} has expired")
-    request = protocol.join_request(invite, private_key, time.time())
-    # A channel of its own, with its own connection: channels share subchannels process-wide by
-    # default, and a hivemind DHT process forked after the parent dialed would inherit a dead one.
-    with grpc.insecure_channel(gateway, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+    deadline = time.monotonic() + timeout
+    with pinned_channel(gateway, claims.key_fingerprint, timeout) as channel:
+        request = protocol.join_request(invite, private_key, time.time())
         join = channel.unary_unary(protocol.JOIN_METHOD)
         try:
-            reply = protocol.decode(join(protocol.encode(request), timeout=timeout))
+            reply = join(protocol.encode(request), timeout=max(deadline - time.monotonic(), 0.1))
         except grpc.RpcError as e:
             if e.code() in RETRYABLE:
                 raise GatewayUnavailable(f"token service at {gateway}: {e.details()}") from None
             raise AccessRefused(e.code().name, e.details() or "") from None
-    return _checked_grant(reply, invite, request["publicKey"])
+    return _checked_grant(reply, invite, claims.key_fingerprint, request["publicKey"])
 
 
-def _checked_grant(reply: dict[str, Any], invite: str, public_key: str) -> Grant:
-    """Trust the swarm key only if it signed our invite: a gateway that is not the swarm's cannot
-    hand us a key of its own choosing."""
+def pinned_channel(gateway: str, fingerprint: str, timeout: float = 10.0) -> grpc.Channel:
+    """A gRPC channel to the gateway at HOST:PORT over TLS that trusts exactly the certificate the
+    gateway presents now, once its key's fingerprint is `fingerprint` (the invite's). Raises
+    UntrustedGateway if it is not, AccessRefused for a bad address or a server that does not
+    speak TLS, GatewayUnavailable if nothing answers within `timeout` seconds."""
     try:
+        certificate = fetch_certificate(gateway, timeout)
+    except NotTLS as e:
+        raise AccessRefused("FAILED_PRECONDITION", f"the token service at {gateway} does not speak TLS: {e} "
+                                                   "(does it run an older hivekeeper?)") from None
+    except OSError as e:  # refused, unreachable, timed out, dropped mid-handshake
+        raise GatewayUnavailable(f"token service at {gateway}: {e or type(e).__name__}") from None
+    except ValueError as e:  # not HOST:PORT
+        raise AccessRefused("INVALID_ARGUMENT", f"bad token service address: {e}") from None
+    served = certificate_fingerprint(certificate)
+    if served != fingerprint:
+        raise UntrustedGateway(
+            f"the token service at {gateway} does not hold the swarm key the invite names (it presents key "
+            f"{served}, the invite names {fingerprint}): someone else answers there, perhaps intercepting "
+            "the connection; the invite was not sent")
+    # The handshake trusts this certificate alone, so a swap since the fetch fails (UNAVAILABLE)
+    # rather than trusting anyone else. A channel of its own, with its own connection: channels
+    # share subchannels process-wide by default, and a hivemind DHT process forked after the
+    # parent dialed would inherit a dead one.
+    return grpc.secure_channel(gateway, grpc.ssl_channel_credentials(root_certificates=certificate),
+                               options=[("grpc.use_local_subchannel_pool", 1),
+                                        ("grpc.ssl_target_name_override", GATEWAY_TLS_NAME)])
+
+
+def _checked_grant(reply_bytes: bytes, invite: str, fingerprint: str, public_key: str) -> Grant:
+    """Trust the swarm key only if it is the one the invite names and it signed the invite: a
+    gateway that is not the swarm's cannot hand us a key of its own choosing."""
+    try:
+        reply = protocol.decode(reply_bytes)
         swarm_key = RSAPublicKey.from_bytes(reply["swarmPublicKey"].encode())
+        if key_fingerprint(swarm_key) != fingerprint:
+            raise ValueError("its swarm key is not the one the invite names")
         token = AccessToken.FromString(base64.b64decode(reply["accessToken"]))
         read_invite(invite, swarm_key)
         swarm = reply.get("swarm") or {}
-    except (KeyError, TypeError, ValueError, DecodeError) as e:  # InvalidToken is a ValueError
+    except (KeyError, TypeError, ValueError, AttributeError, DecodeError) as e:  # InvalidToken is a ValueError
         raise AccessRefused("UNAUTHENTICATED", f"the gateway's reply does not check out: {e}") from None
     check = verify_access_token(token, swarm_key)
     if not check or token.public_key != public_key.encode():

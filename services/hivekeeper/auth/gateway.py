@@ -1,6 +1,7 @@
 """The token service: a gRPC server whose Join method trades an invite, and proof that the
 caller holds an RSA key, for an access token for that key (DeDLOC appendix I.5). It also serves
-the standard gRPC health service."""
+the standard gRPC health service. Over TLS only, with a certificate for the swarm's own key,
+which clients pin by the fingerprint their invite carries (hivekeeper.auth.tls)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from hivekeeper.auth import protocol
 from hivekeeper.auth.client import Grant, request_access  # noqa: F401 (the client half, by its agreed path)
-from hivekeeper.auth.keys import public_key_text
+from hivekeeper.auth.keys import public_key_text, unwrap_private_key
+from hivekeeper.auth.tls import RotatingCertificate, certificate_fingerprint, key_fingerprint
 from hivekeeper.auth.tokens import InvalidToken, issue_access_token, read_invite
 from hivekeeper.auth.watched import WatchedFile
 
@@ -124,23 +126,38 @@ class GatewayServer:
     server: grpc.Server
     health: health.HealthServicer
     port: int
+    certificate: RotatingCertificate
+    key_fingerprint: str  # of the swarm key its certificate holds: what invites name
 
     def stop(self, grace: float = 1.0) -> None:
         self.health.enter_graceful_shutdown()  # health checks answer NOT_SERVING while calls finish
         self.server.stop(grace).wait()
 
 
-def serve_gateway(service: TokenService, host: str = "127.0.0.1", port: int = 0, workers: int = 4) -> GatewayServer:
-    """Start the gRPC server: hivekeeper.Gateway/Join and grpc.health.v1.Health."""
+def serve_gateway(service: TokenService, host: str = "127.0.0.1", port: int = 0, workers: int = 4,
+                  certificate: RotatingCertificate | None = None) -> GatewayServer:
+    """Start the gRPC server, over TLS only: hivekeeper.Gateway/Join and grpc.health.v1.Health.
+    `certificate` defaults to a self-signed one for the service's swarm key, made now."""
+    certificate = certificate or RotatingCertificate(unwrap_private_key(service.swarm_key))
+    fingerprint = key_fingerprint(service.swarm_public_key)
+    if certificate_fingerprint(certificate.current()[1]) != fingerprint:
+        raise ValueError("the gateway's certificate must hold the swarm's key: clients pin it")
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        renewed = certificate.renewed()
+        return grpc.ssl_server_certificate_configuration([renewed]) if renewed else None
+
+    credentials = grpc.dynamic_ssl_server_credentials(
+        grpc.ssl_server_certificate_configuration([certificate.current()]), fetch)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gateway"))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         protocol.SERVICE, {"Join": grpc.unary_unary_rpc_method_handler(service.join)}),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = server.add_secure_port(f"{host}:{port}", credentials)
     if not bound:
         raise OSError(f"token service: cannot listen on {host}:{port}")
     server.start()
     for name in ("", protocol.SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return GatewayServer(server, health_servicer, bound)
+    return GatewayServer(server, health_servicer, bound, certificate, fingerprint)

@@ -52,6 +52,15 @@ def wrap_private_key(key: rsa.RSAPrivateKey) -> RSAPrivateKey:
     return wrapped
 
 
+def unwrap_private_key(key: RSAPrivateKey) -> rsa.RSAPrivateKey:
+    """The `cryptography` key inside hivemind's RSAPrivateKey (for X.509: the gateway's certificate)."""
+    # validated when it was loaded; checking it again costs a tenth of a second or more
+    unwrapped = serialization.load_der_private_key(key.to_bytes(), password=None, unsafe_skip_rsa_key_validation=True)
+    if not isinstance(unwrapped, rsa.RSAPrivateKey):
+        raise ValueError("not an RSA private key")
+    return unwrapped
+
+
 def public_key_text(key: RSAPublicKey) -> str:
     """The OpenSSH form ("ssh-rsa AAAA..."), as tokens and the gateway carry public keys."""
     return key.to_bytes().decode()

@@ -1,10 +1,11 @@
 """Invites and access tokens, both signed by the swarm's key.
 
 An invite is what an admin hands a volunteer (or the runner a role): who it is for, until when,
-and whether it is one of the swarm's own roles. The gateway trades it for an access token:
-hivemind's `AccessToken` (identity, the peer's RSA public key, expiry), which the peer attaches
-to every DHT request it signs. Each kind of signature covers a distinct domain prefix, so the
-swarm key's signature on one can never pass as the other."""
+whether it is one of the swarm's own roles, and the fingerprint of the swarm's public key, by
+which the volunteer knows the real token service (its TLS certificate holds that key). The
+gateway trades it for an access token: hivemind's `AccessToken` (identity, the peer's RSA public
+key, expiry), which the peer attaches to every DHT request it signs. Each kind of signature
+covers a distinct domain prefix, so the swarm key's signature on one can never pass as the other."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
+
+from hivekeeper.auth.tls import key_fingerprint
 
 if TYPE_CHECKING:  # invites need no hivemind: the operator mints them without importing it
     from hivemind.proto.auth_pb2 import AccessToken
@@ -40,6 +43,7 @@ class InvalidToken(ValueError):
 class Invite:
     identity: str
     expires_at: float
+    key_fingerprint: str  # of the swarm's public key (see hivekeeper.auth.tls): the gateway must hold it
     internal: bool = False  # one of the swarm's own roles: admitted without being on the allowlist
 
 
@@ -66,8 +70,9 @@ def mint_invite(swarm_key: RSAPrivateKey, identity: str, expires_at: float, inte
     """A compact URL-safe invite: hk1.PAYLOAD.SIGNATURE (base64url, no padding)."""
     if not identity or not isinstance(identity, str):
         raise ValueError("an invite needs an identity")
-    payload = _b64(json.dumps({"sub": identity, "exp": float(expires_at), "int": bool(internal)},
-                              separators=(",", ":"), sort_keys=True).encode())
+    claims = {"sub": identity, "exp": float(expires_at), "int": bool(internal),
+              "key": key_fingerprint(swarm_key.get_public_key())}
+    payload = _b64(json.dumps(claims, separators=(",", ":"), sort_keys=True).encode())
     signature = base64.b64decode(swarm_key.sign(_INVITE_DOMAIN + payload.encode()))
     return f"{INVITE_PREFIX}.{payload}.{_b64(signature)}"
 
@@ -82,20 +87,27 @@ def parse_invite(text: str) -> tuple[Invite, bytes, bytes]:
     try:
         claims = json.loads(_unb64(parts[1]))
         signature = _unb64(parts[2])
-        invite = Invite(identity=claims["sub"], expires_at=claims["exp"], internal=claims.get("int", False))
-    except (binascii.Error, ValueError, KeyError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError too
+        invite = Invite(identity=claims["sub"], expires_at=claims["exp"], key_fingerprint=claims.get("key"),
+                        internal=claims.get("int", False))
+    except (binascii.Error, ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError too
         raise InvalidToken("malformed", f"the invite is damaged: {e}") from None
+    if invite.key_fingerprint is None:
+        raise InvalidToken("malformed", f"the invite for {invite.identity!r} was made by an older hivekeeper "
+                                        "(it names no swarm key to trust): mint a new invite")
     if not (isinstance(invite.identity, str) and invite.identity and isinstance(invite.expires_at, (int, float))
-            and math.isfinite(invite.expires_at) and isinstance(invite.internal, bool)):
+            and math.isfinite(invite.expires_at) and isinstance(invite.internal, bool)
+            and isinstance(invite.key_fingerprint, str) and invite.key_fingerprint):
         raise InvalidToken("malformed", "the invite's fields have the wrong types")
     return invite, _INVITE_DOMAIN + parts[1].encode(), signature
 
 
 def read_invite(text: str, swarm_public_key: RSAPublicKey, now: float | None = None) -> Invite:
-    """The invite, if the swarm's key signed it and it has not expired; else InvalidToken."""
+    """The invite, if the swarm's key signed it, names that key and has not expired; else InvalidToken."""
     invite, signed, signature = parse_invite(text)
     if not swarm_public_key.verify(signed, base64.b64encode(signature)):
         raise InvalidToken("bad_signature", "the invite is not signed by this swarm's key")
+    if invite.key_fingerprint != key_fingerprint(swarm_public_key):  # signed, yet for another key: a minting bug
+        raise InvalidToken("bad_signature", "the invite names another swarm key than the one that signed it")
     now = time.time() if now is None else now
     if invite.expires_at <= now:
         raise InvalidToken("expired", f"the invite for {invite.identity!r} expired at {_iso(invite.expires_at)}")

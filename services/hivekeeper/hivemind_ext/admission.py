@@ -56,6 +56,7 @@ REFUSED = "hivekeeper admission refused"  # starts every refusal's message, so a
 # worth admitting; it dials back only the caller itself, a few at a time.
 OPEN_HANDLER_PREFIXES = ("DHTProtocol.", "hivekeeper.reachability.")
 RECHECK_SECONDS = 60.0  # a caller admits again this often, in case the callee restarted and forgot it
+DISCARD_SECONDS, DISCARD_BYTES = 2.0, 1 << 20  # what a refused stream may still send before it is cut
 REASONS = ("not_admitted", "malformed", "bad_signature", "expired", "bad_proof")
 _ADMIT_DOMAIN = b"hivekeeper-admit-v1\x00"
 
@@ -212,9 +213,12 @@ class Gate:
             if self.admits(p2p.peer_id, stream_info.peer_id):
                 return await handler(stream_info, reader, writer)
             self.refuse("not_admitted")
-            try:  # read nothing it sent; tell it why, in the form protobuf callers decode
+            try:  # tell it why, in the form protobuf callers decode
                 await P2P.send_protobuf(RPCError(message=_not_admitted(name)), writer)
-            except Exception:  # noqa: BLE001 (it may be gone already)
+                # then discard what it sends until it closes its side: closing ours with its data
+                # unread resets the stream, and the caller would lose the refusal
+                await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
+            except Exception:  # noqa: BLE001 (it may be gone already, or never stop sending)
                 pass
             finally:
                 writer.close()
@@ -256,6 +260,14 @@ class Gate:
 
     def forget(self, p2p: P2P, peer: PeerID) -> None:
         self._admitted_at.pop((p2p.peer_id.to_base58(), peer.to_base58()), None)
+
+
+async def _discard(reader: asyncio.StreamReader, limit: int = DISCARD_BYTES) -> None:
+    while limit > 0:
+        chunk = await reader.read(min(limit, 1 << 16))
+        if not chunk:
+            return
+        limit -= len(chunk)
 
 
 def _not_admitted(name: str) -> str:

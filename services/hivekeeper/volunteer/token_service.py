@@ -1,6 +1,8 @@
 """The token service role (`hivekeeper run auth`): with the relays, what lets volunteers in, for
-any kind. It joins no DHT; it serves hivekeeper.Gateway/Join and gRPC health on --grpc-port,
-and /metrics, /healthz, /readyz, /status on --metrics-port. Ready once gRPC serves."""
+any kind. It joins no DHT; it serves hivekeeper.Gateway/Join and gRPC health on --grpc-port, over
+TLS with a certificate for the swarm's key made at start (clients pin it by the fingerprint in
+their invite), and /metrics, /healthz, /readyz, /status on --metrics-port (plain HTTP: what the
+pods' probes use). Ready once gRPC serves."""
 
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ def run(args: argparse.Namespace) -> int:
     ctx.start_endpoint()
     server = serve_gateway(service, args.host, args.grpc_port)
     address = f"{args.announce_host or args.host}:{server.port}"
-    log.info("token service up", extra={"fields": {"gateway": address}})
-    ctx.status.update(gateway=address)
+    log.info("token service up", extra={"fields": {"gateway": address, "keyFingerprint": server.key_fingerprint}})
+    ctx.status.update(gateway=address, keyFingerprint=server.key_fingerprint)
     ctx.endpoint.ready.set()
     try:
         while not ctx.stop.wait(2.0):
