@@ -1,7 +1,11 @@
-"""Averaging planner: solve time against the number of peers, and what rounding loses.
+"""Averaging planner: solve time against the number of peers, what rounding loses, and the
+whole `hivekeeper plan averaging` command at internet scale.
 
-Anchor: DeDLOC (section 3.2, footnote) solves its LP in under 50 ms, about twice a
+Anchors: DeDLOC (section 3.2, footnote) solves its LP in under 50 ms, about twice a
 minute. Aim here: a plan for n = 64 well under 50 ms and for n = 256 under 1 s on 2 cores.
+Issue 20: the command took about 100 s for 1,024 peers (its parameter-server baseline
+evaluated every candidate server in O(n^2), O(n^3) in all); aim: under 2 s end to end at
+n = 1,024, growing no faster than n^2.
 
 Timing: for each n, a few random heterogeneous swarms (log-normal compute and
 bandwidth, a quarter of the peers without an accelerator, a fifth in client mode) are
@@ -13,19 +17,34 @@ Medians over the swarms, wall clock and CPU (the machine is shared).
 Gap: more swarms, half of them with random link caps, planned exactly and by rounding;
 steps/s lost by rounding, and how far eq. 5's bound lies above the best realizable plan.
 
+Scale: for n = 64 to 4,096, swarms written as the command's JSON input; per phase: the
+solve (`plan_averaging`), the baselines (all-reduce and parameter server), the whole command
+in this process (reading and validating the input, solve, baselines, group size, the table),
+and the command end to end in a fresh interpreter (imports included) with its CPU time.
+
     PYTHONPATH=services python bench/bench_averaging_plan.py
 """
 
 from __future__ import annotations
 
+import io
+import json
+import math
 import os
+import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from contextlib import redirect_stdout
+from pathlib import Path
 from typing import Callable, TypeVar
 
 import numpy as np
 from bench_results import write_results
 
+from hivekeeper.cli import main as hivekeeper_main
 from hivekeeper.planning.averaging_lp import (
     EXACT_MAX_PEERS,
     AveragingProblem,
@@ -46,6 +65,10 @@ EQ5_MAX = 64  # eq. 5 has 2 n^2 variables: seconds at 64 peers, tens of seconds 
 LITERAL_MAX = 32
 GAP_SIZES = (8, 16, 32)
 GAP_SWARMS = 10
+SCALE_SIZES = (64, 256, 1024, 4096)
+SCALE_SWARMS = 2
+COMMAND_TARGET_S = 2.0  # issue 20, at 1,024 peers
+SERVICES = str(Path(__file__).resolve().parent.parent / "services")
 
 T = TypeVar("T")
 
@@ -111,6 +134,53 @@ def gap_run(n: int, seed: int) -> dict:
     }
 
 
+def write_input(problem: AveragingProblem, path: Path) -> str:
+    """The swarm as `hivekeeper plan averaging --input` reads it."""
+    peers = [{"name": p.name, "samplesPerSecond": p.samples_per_second, "uploadMbps": p.upload_mbps,
+              "downloadMbps": p.download_mbps, "clientMode": p.client_mode} for p in problem.peers]
+    path.write_text(json.dumps({"targetBatchSize": int(problem.target_batch_size),
+                                "numParameters": problem.num_parameters, "peers": peers, "links": problem.links}))
+    return str(path)
+
+
+def fresh_command(path: str) -> tuple[float, float]:
+    """Wall and CPU seconds of the command in a new interpreter, as a user runs it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [SERVICES, os.environ.get("PYTHONPATH")]))}
+    before, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    subprocess.run([sys.executable, "-m", "hivekeeper", "plan", "averaging", "--input", path],
+                   env=env, check=True, stdout=subprocess.DEVNULL)
+    wall, after = time.perf_counter() - wall, resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def scale_run(n: int, seed: int, directory: Path) -> dict:
+    problem = swarm(n, 2000 + seed)
+    path = write_input(problem, directory / f"peers-{n}-{seed}.json")
+    plan, solve_ms, solve_cpu_ms = timed(lambda: plan_averaging(problem))
+    (all_reduce, server), baselines_ms, baselines_cpu_ms = timed(
+        lambda: (all_reduce_baseline(problem), parameter_server_baseline(problem)))
+    with redirect_stdout(io.StringIO()):
+        code, command_ms, command_cpu_ms = timed(lambda: hivekeeper_main(["plan", "averaging", "--input", path]))
+    if code != 0:
+        raise RuntimeError(f"hivekeeper plan averaging exited with {code} at n={n}")
+    fresh_s, fresh_cpu_s = fresh_command(path)
+    return {
+        "n": n,
+        "seed": seed,
+        "method": plan.method,
+        "solve_ms": solve_ms,
+        "solve_cpu_ms": solve_cpu_ms,
+        "baselines_ms": baselines_ms,
+        "baselines_cpu_ms": baselines_cpu_ms,
+        "command_ms": command_ms,
+        "command_cpu_ms": command_cpu_ms,
+        "fresh_s": fresh_s,
+        "fresh_cpu_s": fresh_cpu_s,
+        "vs_all_reduce": plan.steps_per_second / all_reduce.steps_per_second,
+        "vs_parameter_server": plan.steps_per_second / server.steps_per_second,
+    }
+
+
 def median(runs: list[dict], key: str) -> float | None:
     values = [run[key] for run in runs if key in run]
     return statistics.median(values) if values else None
@@ -145,6 +215,22 @@ def gap_summary(runs: list[dict]) -> list[dict]:
     return summary
 
 
+def scale_summary(runs: list[dict]) -> list[dict]:
+    keys = ("solve_ms", "solve_cpu_ms", "baselines_ms", "baselines_cpu_ms", "command_ms", "command_cpu_ms",
+            "fresh_s", "fresh_cpu_s", "vs_all_reduce", "vs_parameter_server")
+    return [
+        {"n": n, "method": at_n[0]["method"], **{key: median(at_n, key) for key in keys}}
+        for n in SCALE_SIZES
+        for at_n in [[run for run in runs if run["n"] == n]]
+    ]
+
+
+def growth_exponent(scale: list[dict], key: str, small: int = 1024, large: int = 4096) -> float:
+    """k in time ~ n^k between two sizes."""
+    at = {s["n"]: s[key] for s in scale}
+    return math.log(at[large] / at[small]) / math.log(large / small)
+
+
 def cell(value: float | None, fmt: str, width: int) -> str:
     return f"{'-':>{width}}" if value is None else f"{value:{width}{fmt}}"
 
@@ -175,23 +261,50 @@ def print_tables(timing: list[dict], gaps: list[dict]) -> None:
               f"{s['eq5_over_exact_max']:>6.2f}")
 
 
+def print_scale(scale: list[dict]) -> None:
+    header = (f"{'n':>5} {'method':>8} {'solve ms':>9} {'baselines ms':>12} {'total ms':>9} {'total cpu':>9} "
+              f"{'fresh s':>8} {'fresh cpu s':>11} {'vs AR':>6} {'vs PS':>6}")
+    print(header)
+    print("-" * len(header))
+    for s in scale:
+        print(f"{s['n']:>5} {s['method']:>8} {s['solve_ms']:>9.1f} {s['baselines_ms']:>12.1f} {s['command_ms']:>9.1f} "
+              f"{s['command_cpu_ms']:>9.1f} {s['fresh_s']:>8.2f} {s['fresh_cpu_s']:>11.2f} "
+              f"{s['vs_all_reduce']:>6.2f} {s['vs_parameter_server']:>6.2f}")
+    print("(total: the whole command in this process; fresh: `python -m hivekeeper plan averaging` from start-up)")
+
+
 def main() -> None:
     load = os.getloadavg()
     timing_runs = [timing_run(n, seed) for n in SIZES for seed in range(REPEATS)]
     gap_runs = [gap_run(n, seed) for n in GAP_SIZES for seed in range(GAP_SWARMS)]
-    timing, gaps = timing_summary(timing_runs), gap_summary(gap_runs)
+    with tempfile.TemporaryDirectory() as directory, redirect_stdout(io.StringIO()):
+        hivekeeper_main(["plan", "averaging", "--input", write_input(swarm(8, 0), Path(directory) / "warm.json")])
+        scale_runs = [scale_run(n, seed, Path(directory)) for n in SCALE_SIZES for seed in range(SCALE_SWARMS)]
+    timing, gaps, scale = timing_summary(timing_runs), gap_summary(gap_runs), scale_summary(scale_runs)
     print_tables(timing, gaps)
+    print()
+    print_scale(scale)
     at = {s["n"]: s["plan_ms"] for s in timing}
+    big = {s["n"]: s for s in scale}[1024]
     print(f"\nanchor: DeDLOC solves in < 50 ms; plan here: n=64 {at[64]:.1f} ms, n=256 {at[256]:.1f} ms "
           f"(exact MILP up to {EXACT_MAX_PEERS} peers); load average {load[0]:.1f} on {os.cpu_count()} cores")
+    print(f"anchor: issue 20, the command took ~100 s at n=1024, aim < {COMMAND_TARGET_S:.0f} s and O(n^2); here "
+          f"n=1024 {big['command_ms'] / 1e3:.2f} s in process, {big['fresh_s']:.2f} s fresh "
+          f"({big['fresh_cpu_s']:.2f} s CPU); 1024 -> 4096 grows as "
+          f"n^{growth_exponent(scale, 'command_cpu_ms'):.2f} (CPU, in process)")
     write_results(
         "averaging_plan",
-        "DeDLOC: LP solved in under 50 ms, about twice a minute; aim n=64 well under 50 ms, n=256 under 1 s",
+        "DeDLOC: LP solved in under 50 ms, about twice a minute; aim n=64 well under 50 ms, n=256 under 1 s. "
+        "Issue 20: `hivekeeper plan averaging` took ~100 s at n=1024; aim under 2 s end to end, O(n^2)",
         exact_max_peers=EXACT_MAX_PEERS,
         timing=timing,
         gap=gaps,
+        scale=scale,
+        scale_growth_exponent={key: growth_exponent(scale, key)
+                               for key in ("solve_cpu_ms", "baselines_cpu_ms", "command_cpu_ms", "fresh_cpu_s")},
         timing_runs=timing_runs,
         gap_runs=gap_runs,
+        scale_runs=scale_runs,
     )
 
 

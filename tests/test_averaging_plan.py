@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from hivekeeper.cli import main
+from hivekeeper.planning.averaging_cli import RICH_MAX_ROWS
 from hivekeeper.planning.averaging_lp import (
     AveragingPlan,
     AveragingProblem,
@@ -23,19 +24,22 @@ from hivekeeper.planning.averaging_lp import (
     relaxation_lp,
     solve_lp,
     solve_relaxation,
+    throughput_of,
 )
+from hivekeeper.planning.averaging_lp import _closed_form, _scale, _single_flips
 from hivekeeper.planning.group_size import expected_averaging_time, optimal_group_size
 
 # 1e8 float32 parameters: 100 Mbps moves 1/32 of the vector per second
 BIG_MODEL = 100_000_000
 
 
-def random_problem(n: int, seed: int, clients: float = 0.2, links: float = 0.0) -> AveragingProblem:
+def random_problem(n: int, seed: int, clients: float = 0.2, links: float = 0.0,
+                   spread: float = 1.2) -> AveragingProblem:
     rng = np.random.default_rng(seed)
     peers = []
     for k in range(n):
         samples = float(rng.lognormal(3, 1)) if k == 0 or rng.random() < 0.7 else 0.0
-        upload = float(rng.lognormal(4.5, 1.2))
+        upload = float(rng.lognormal(4.5, spread))  # a small spread: no single slow peer sets every rate
         client = bool(k > 0 and rng.random() < clients)
         peers.append(PeerCapacity(f"peer-{k:02d}", samples, upload, upload * float(rng.uniform(0.5, 4)), client))
     caps = {
@@ -234,6 +238,67 @@ def test_plan_is_never_slower_than_the_baselines():
             assert plan.steps_per_second >= baseline.steps_per_second * (1 - 1e-9)
 
 
+# --- baselines: closed forms against the model, peer by peer and link by link ----------
+
+
+def straightforward_throughput(problem: AveragingProblem, computes: dict[str, bool],
+                               shares: dict[str, float]) -> tuple[float, float]:
+    """(compute bound, aggregation rate) in steps/s, from the model's definition in Mbps: every
+    peer and every capped link moves its vectors, and the slowest of them sets the rate."""
+    megabits = problem.num_parameters * problem.bytes_per_parameter * 8 / 1e6
+    k = sum(computes.values())
+    seconds = 0.0
+    for peer in problem.peers:
+        c, a = computes[peer.name], shares[peer.name]
+        seconds = max(seconds, (c * (1 - a) + (k - c) * a) * megabits / min(peer.upload_mbps, peer.download_mbps))
+    for src, row in problem.links.items():
+        for dst, mbps in row.items():  # src's part to aggregator dst, and src's average back to dst
+            vectors = computes[src] * shares[dst] + computes[dst] * shares[src]
+            seconds = max(seconds, vectors * megabits / mbps)
+    compute = sum(peer.samples_per_second for peer in problem.peers if computes[peer.name])
+    return compute / problem.target_batch_size, 1 / seconds if seconds > 0 else np.inf
+
+
+def assert_same(throughput, expected: tuple[float, float]) -> None:
+    assert (throughput.compute_bound, throughput.aggregation_bound) == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_baselines_match_the_straightforward_evaluation(seed):
+    """The parameter-server baseline is one closed form over all candidate servers (it used to
+    evaluate each server in O(n^2)); all-reduce and `throughput_of` look only at capped links."""
+    rng = np.random.default_rng(seed)
+    problem = random_problem(1 + seed * 5 // 2 + int(rng.integers(3)), 600 + seed, clients=0.3,
+                             links=(0.0, 0.1, 0.5, 1.0)[seed // 2 % 4], spread=(1.2, 0.05)[seed % 2])
+    names = [peer.name for peer in problem.peers]
+    servers = [peer.name for peer in problem.peers if not peer.client_mode]
+    everyone = dict.fromkeys(names, True)
+    options = [straightforward_throughput(problem, everyone, {name: float(name == server) for name in names})
+               for server in servers]
+    assert_same(parameter_server_baseline(problem), max(options, key=lambda o: (min(o), o[1])))
+    equal = {name: 1 / len(servers) if name in servers else 0.0 for name in names}
+    assert_same(all_reduce_baseline(problem), straightforward_throughput(problem, everyone, equal))
+    for _ in range(5):
+        computes = dict(zip(names, (bool(b) for b in rng.random(len(names)) < 0.6)))
+        computes[names[0]] = True
+        raw = {name: float(rng.random()) if name in servers else 0.0 for name in names}
+        shares = {name: share / sum(raw.values()) for name, share in raw.items()}
+        assert_same(throughput_of(problem, computes, raw), straightforward_throughput(problem, computes, shares))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_single_flips_match_the_closed_form_of_each_flip(seed):
+    """Local search scores every one-peer flip from the current sums in O(n); the same figures
+    as the closed form of each flipped role set."""
+    m = _scale(random_problem(5 + 9 * seed, 700 + seed, clients=0.3))
+    rng = np.random.default_rng(seed)
+    for roles in (rng.random(m.n) < 0.5, np.ones(m.n, dtype=bool), np.eye(m.n, dtype=bool)[0]):
+        steps, rate = _single_flips(m, roles)
+        expected_steps, expected_rate = _closed_form(m, roles[None] ^ np.eye(m.n, dtype=bool))
+        assert steps == pytest.approx(expected_steps, rel=1e-12)
+        assert rate == pytest.approx(expected_rate, rel=1e-12)
+
+
 # --- group size (appendix C) ----------------------------------------------------------
 
 
@@ -290,6 +355,20 @@ def test_command_prints_a_table(tmp_path, capsys):
     assert main(["plan", "averaging", "--input", write_input(tmp_path, BYTEPS_INPUT)]) == 0
     out = capsys.readouterr().out
     assert "this plan" in out and "allReduce" in out and "laptop (client)" in out
+
+
+def test_command_prints_plain_columns_for_a_large_swarm(tmp_path, capsys):
+    many = {**BYTEPS_INPUT, "peers": [*BYTEPS_INPUT["peers"], *(
+        {"name": f"edge-{k}", "samplesPerSecond": 1 + k % 7, "uploadMbps": 10 + k, "downloadMbps": 40}
+        for k in range(RICH_MAX_ROWS))]}
+    assert main(["plan", "averaging", "--input", write_input(tmp_path, many)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"Averaging plan ({RICH_MAX_ROWS + 9} peers)"
+    assert lines[1].split() == ["peer", "samples/s", "up", "Mbps", "down", "Mbps", "computes", "share"]
+    rows = {line.split()[0]: line for line in lines[3:3 + RICH_MAX_ROWS + 9]}
+    assert set(rows) == {peer["name"] for peer in many["peers"]}
+    assert "laptop (client)" in rows["laptop"] and len({len(row) for row in rows.values()}) == 1  # aligned
+    assert any("this plan" in line for line in lines) and any("parameterServer" in line for line in lines)
 
 
 @pytest.mark.parametrize(

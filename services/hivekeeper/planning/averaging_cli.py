@@ -18,6 +18,7 @@ from hivekeeper.planning.group_size import optimal_group_size
 from hivekeeper.spec.base import SpecModel
 
 Mbps = Annotated[float, Field(gt=0)]
+RICH_MAX_ROWS = 200  # rich lays a table out at about 1 ms a row; larger swarms get plain columns
 
 
 class PeerInput(SpecModel):
@@ -76,16 +77,30 @@ def _report(spec: AveragingInput, plan: AveragingPlan, group_size: int,
     }
 
 
+def _plain_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """Aligned columns, the first to the left: what rich draws, without its per-cell layout."""
+    widths = [max(len(cell) for cell in column) for column in zip(columns, *rows)]
+    lines = ["  ".join(cell.ljust(width) if k == 0 else cell.rjust(width)
+                       for k, (cell, width) in enumerate(zip(line, widths))) for line in (columns, *rows)]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join([title, *lines])
+
+
 def _print_table(spec: AveragingInput, report: dict[str, Any]) -> None:
     console = Console()
-    table = Table(title="Averaging plan")
-    for column in ("peer", "samples/s", "up Mbps", "down Mbps", "computes", "share"):
-        table.add_column(column, justify="left" if column == "peer" else "right")
-    for peer, role in zip(spec.peers, report["peers"]):
-        table.add_row(f"{peer.name} (client)" if peer.client_mode else peer.name, f"{peer.samples_per_second:g}",
-                      f"{peer.upload_mbps:g}", f"{peer.download_mbps:g}", "yes" if role["computesGradients"] else "no",
-                      f"{role['aggregationShare']:.1%}")
-    console.print(table)
+    columns = ("peer", "samples/s", "up Mbps", "down Mbps", "computes", "share")
+    rows = [(f"{peer.name} (client)" if peer.client_mode else peer.name, f"{peer.samples_per_second:g}",
+             f"{peer.upload_mbps:g}", f"{peer.download_mbps:g}", "yes" if role["computesGradients"] else "no",
+             f"{role['aggregationShare']:.1%}") for peer, role in zip(spec.peers, report["peers"])]
+    if len(rows) > RICH_MAX_ROWS:
+        console.out(_plain_table(f"Averaging plan ({len(rows)} peers)", columns, rows), highlight=False)
+    else:
+        table = Table(title="Averaging plan")
+        for column in columns:
+            table.add_column(column, justify="left" if column == "peer" else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
     strategies = Table(show_header=True)
     for column in ("strategy", "steps/s", "averaging s", "plan speedup"):
         strategies.add_column(column, justify="left" if column == "strategy" else "right")

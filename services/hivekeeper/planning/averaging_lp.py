@@ -169,6 +169,7 @@ class _Scaled:
     aggregates: np.ndarray  # bool: accepts connections
     forced: np.ndarray  # bool: computes in every realizable plan (a client-mode peer with samples)
     links: np.ndarray  # directed caps, inf where none
+    pair_caps: np.ndarray  # the smaller cap of each pair's two directions: both carry the same plan traffic
     unit: float  # vectors (or steps) per second in one model unit
 
     @property
@@ -180,11 +181,6 @@ class _Scaled:
         """w_i: a plan's traffic is the same each way, so the smaller direction caps it."""
         return np.minimum(self.upload, self.download)
 
-    @property
-    def pair_caps(self) -> np.ndarray:
-        """Both directions of a pair carry the same plan traffic."""
-        return np.minimum(self.links, self.links.T)
-
 
 def _scale(problem: AveragingProblem) -> _Scaled:
     peers = sorted(problem.peers, key=lambda peer: peer.name)
@@ -193,16 +189,19 @@ def _scale(problem: AveragingProblem) -> _Scaled:
     compute = np.array([peer.samples_per_second for peer in peers]) / problem.target_batch_size
     upload = np.array([peer.upload_mbps for peer in peers]) * vectors_per_mbps
     download = np.array([peer.download_mbps for peer in peers]) * vectors_per_mbps
+    unit = float(min(compute.sum(), np.minimum(upload, download).sum()))
     links = np.full((len(peers), len(peers)), np.inf)
+    pair_caps = links.copy()  # from the listed links only: min(links, links.T) is slow at thousands of peers
     index = {name: i for i, name in enumerate(names)}
     for src, row in problem.links.items():
         for dst, mbps in row.items():
-            links[index[src], index[dst]] = mbps * vectors_per_mbps
-    unit = float(min(compute.sum(), np.minimum(upload, download).sum()))
+            i, j = index[src], index[dst]
+            links[i, j] = mbps * vectors_per_mbps / unit
+            pair_caps[i, j] = pair_caps[j, i] = min(pair_caps[i, j], links[i, j])
     return _Scaled(names=names, compute=compute / unit, upload=upload / unit, download=download / unit,
                    aggregates=np.array([not peer.client_mode for peer in peers]),
                    forced=np.array([peer.client_mode and peer.samples_per_second > 0 for peer in peers]),
-                   links=links / unit, unit=unit)
+                   links=links, pair_caps=pair_caps, unit=unit)
 
 
 # --- sparse programs -----------------------------------------------------------------
@@ -333,19 +332,48 @@ def solve_relaxation(problem: AveragingProblem) -> Relaxation:
 def _closed_form(m: _Scaled, roles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Steps/s and aggregation rate of each row of `roles` (bool, sets x n) with optimal
     shares, ignoring link caps (module docstring)."""
-    w, agg = m.capacity, m.aggregates
-    k = roles.sum(axis=1)
-    computing_aggs = roles & agg
-    k_agg = computing_aggs.sum(axis=1)
-    w_all = w[agg].sum()
+    computing_aggs = roles & m.aggregates
+    return _closed_form_of(m, computing=roles.sum(axis=1), computing_aggs=computing_aggs.sum(axis=1),
+                           computing_aggs_w=computing_aggs @ m.capacity,
+                           slowest=np.where(roles, m.capacity, np.inf).min(axis=1), compute=roles @ m.compute)
+
+
+def _closed_form_of(m: _Scaled, computing: np.ndarray, computing_aggs: np.ndarray, computing_aggs_w: np.ndarray,
+                    slowest: np.ndarray, compute: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_closed_form` from what it needs of each role set: K, the number of computing aggregators,
+    the sum of their w, the smallest w of a computing peer, and the computing peers' steps/s."""
+    k, k_agg, w_all = computing, computing_aggs, m.capacity[m.aggregates].sum()
     with np.errstate(divide="ignore", invalid="ignore"):
         spread = np.where(k_agg == 0,
                           w_all / k,  # only client-mode peers compute: aggregators each take in w_i / K
-                          (2 * (computing_aggs @ w) + (k - 2) * w_all) / (k * (k - 2 + k_agg)))
-    rate = np.minimum(np.where(roles, w, np.inf).min(axis=1), spread)  # each sender carries R
+                          (2 * computing_aggs_w + (k - 2) * w_all) / (k * (k - 2 + k_agg)))
+    rate = np.minimum(slowest, spread)  # each sender carries R
     rate = np.where((k == 1) & (k_agg == 1), np.inf, rate)  # a lone non-client trainer
     rate = np.where(k == 0, 0.0, rate)
-    return np.minimum(roles @ m.compute, rate), rate
+    return np.minimum(compute, rate), rate
+
+
+def _min_of_others(values: np.ndarray) -> np.ndarray:
+    """min_{j != i} values_j for every i (inf for a lone value), in O(n log n)."""
+    order = np.argsort(values, kind="stable")
+    others = np.full(values.size, values[order[0]])
+    others[order[0]] = values[order[1]] if values.size > 1 else np.inf
+    return others
+
+
+def _single_flips(m: _Scaled, roles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_closed_form` of every role set that flips one peer of `roles` (row i flips peer i),
+    in O(n) rather than O(n^2): each of its sums moves by that peer's term."""
+    sign = np.where(roles, -1, 1)
+    computing_aggs = roles & m.aggregates
+    flipped_agg = sign * m.aggregates
+    # the smallest w of the other computing peers: what is left when peer i stops computing,
+    # and what peer i's own w is held against when it starts
+    others = _min_of_others(np.where(roles, m.capacity, np.inf))
+    return _closed_form_of(m, computing=roles.sum() + sign, computing_aggs=computing_aggs.sum() + flipped_agg,
+                           computing_aggs_w=computing_aggs @ m.capacity + flipped_agg * m.capacity,
+                           slowest=np.where(roles, others, np.minimum(others, m.capacity)),
+                           compute=roles @ m.compute + sign * m.compute)
 
 
 def _better(steps: float, rate: float, than: tuple[float, float]) -> bool:
@@ -354,16 +382,17 @@ def _better(steps: float, rate: float, than: tuple[float, float]) -> bool:
 
 def _local_search(m: _Scaled, roles: np.ndarray) -> np.ndarray:
     """Flips one peer's role at a time while that raises (steps/s, aggregation rate); a
-    forced peer keeps computing."""
-    flips = np.eye(m.n, dtype=bool)[~m.forced]
+    forced peer keeps computing. O(n) per flip (`_single_flips`)."""
+    free = np.flatnonzero(~m.forced)
     steps, rate = _closed_form(m, roles[None])
     current = (float(steps[0]), float(rate[0]))
     while True:  # some peer accepts connections, so some can flip
-        steps, rate = _closed_form(m, roles[None] ^ flips)
-        best = max(range(len(flips)), key=lambda k: (steps[k], rate[k], -k))
+        steps, rate = (values[free] for values in _single_flips(m, roles))
+        best = max(range(free.size), key=lambda k: (steps[k], rate[k], -k))
         if not _better(steps[best], rate[best], current):
             return roles
-        roles = roles ^ flips[best]
+        roles = roles.copy()
+        roles[free[best]] ^= True
         current = (float(steps[best]), float(rate[best]))
 
 
@@ -406,10 +435,10 @@ def _share_rates(m: _Scaled, roles: np.ndarray) -> np.ndarray:
     if not np.isfinite(m.links).any():
         return _levelled_rates(m, roles, float(_closed_form(m, roles[None])[1][0]))
     traffic = np.outer(c, np.ones(n)) * (1 - np.eye(n)) + np.diag(c.sum() - c)
-    i, j = _pairs(n)
+    i, j = np.nonzero(np.isfinite(m.pair_caps))  # the diagonal is inf
+    keep = (i < j) & (c[i] + c[j] > 0)
+    i, j = i[keep], j[keep]
     caps = m.pair_caps[i, j]
-    keep = np.isfinite(caps) & (i < j) & (c[i] + c[j] > 0)
-    i, j, caps = i[keep], j[keep], caps[keep]
     links = np.zeros((i.size, n))
     np.add.at(links, (np.arange(i.size), j), c[i])  # i's part to aggregator j
     np.add.at(links, (np.arange(i.size), i), c[j])  # aggregator i's average back to j
@@ -446,9 +475,7 @@ def _milp_program(m: _Scaled) -> tuple[LinearProgram, _MilpIndex]:
     lone-trainer plan, the exception, is handled outside.
     """
     n, w = m.n, m.capacity
-    i, j = _pairs(n)
-    capped = np.isfinite(m.pair_caps[i, j])
-    li, lj = i[capped], j[capped]  # both orders of every capped pair
+    li, lj = np.nonzero(np.isfinite(m.pair_caps))  # both orders of every capped pair (the diagonal is inf)
     ix = _MilpIndex(n, li.size)
     r_max = w.max()
     rows = _Rows(ix.size)
@@ -556,10 +583,11 @@ def plan_for_roles(problem: AveragingProblem, computes: Mapping[str, bool]) -> A
 
 def _fixed_shares(m: _Scaled, shares: np.ndarray, roles: np.ndarray | None = None) -> Throughput:
     """Each peer's and link's traffic per vector is fixed by the roles (default: everyone
-    computes) and the shares, and the tightest one sets the rate."""
+    computes) and the shares, and the tightest one sets the rate. Only capped links can be
+    the tightest, so only they are loaded (not all n^2 pairs)."""
     c = np.ones(m.n) if roles is None else roles.astype(float)
     per_peer = c * (1 - shares) + (c.sum() - c) * shares
-    i, j = _pairs(m.n)
+    i, j = np.nonzero(np.isfinite(m.links))
     per_link = c[i] * shares[j] + c[j] * shares[i]  # i's part to j, and j's average back to i
     load = np.concatenate([per_peer, per_link])
     limit = np.concatenate([m.capacity, m.links[i, j]])
@@ -589,7 +617,17 @@ def all_reduce_baseline(problem: AveragingProblem) -> Throughput:
 
 def parameter_server_baseline(problem: AveragingProblem) -> Throughput:
     """The best single non-client peer aggregates the whole vector; every other peer
-    sends and receives it once."""
+    sends and receives it once.
+
+    `_fixed_shares` with shares e_s for every candidate server s would cost O(n^2) each. In
+    closed form, for all s at once: s moves n - 1 vectors each way, every other peer and each
+    of s's links one, and nothing else is loaded, so s's rate is the smallest of w_s / (n - 1),
+    the other peers' w_i and the caps of s's links (the same divisions `_fixed_shares` does);
+    as w_s / (n - 1) <= w_s, the smallest w_i over all peers does for the other peers'."""
     m = _scale(problem)
-    options = [_fixed_shares(m, (np.arange(m.n) == server).astype(float)) for server in np.flatnonzero(m.aggregates)]
-    return max(options, key=lambda option: (option.steps_per_second, option.aggregation_bound))
+    w = m.capacity
+    if m.n == 1:  # a lone server exchanges nothing
+        rate = np.inf
+    else:  # the diagonal of pair_caps is inf: no peer links to itself
+        rate = np.minimum(np.minimum(w / (m.n - 1), w.min()), m.pair_caps.min(axis=1))[m.aggregates].max()
+    return Throughput(compute_bound=float(np.ones(m.n) @ m.compute) * m.unit, aggregation_bound=float(rate) * m.unit)
