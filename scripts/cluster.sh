@@ -292,17 +292,40 @@ import_image() {
         log "$1: already imported"
         return
     fi
-    ctr_ images import "$2" >/dev/null
+    if ! ctr_ images import "$2" >/dev/null; then
+        # The cached snapshots can lose a parent (an interrupted unpack or garbage collection
+        # between runs): "parent snapshot ... does not exist". Start the cache's images over.
+        log "$1: import failed; clearing cached images and snapshots, then importing again"
+        clear_image_cache
+        ctr_ images import "$2" >/dev/null || die "importing $2 failed twice"
+    fi
     names="$(ctr_ images ls -q)"
     grep -qx "$1" <<<"$names" || die "importing $2 did not name $1"
     mkdir -p "$(dirname "$stamp")"
     cp "$2.key" "$stamp"
 }
 
+# clear_image_cache: every image and snapshot of the node's containerd (no container runs yet).
+clear_image_cache() {
+    local ref snapshot left before
+    for ref in $(ctr_ images ls -q); do ctr_ images rm "$ref" >/dev/null || true; done
+    rm -rf "$CONTAINERD_ROOT/imported"
+    left="$(ctr_ snapshots ls | awk 'NR > 1 {print $1}')"
+    while [ -n "$left" ]; do  # children before their parents: remove what can go until none is left
+        before="$left"
+        for snapshot in $left; do ctr_ snapshots rm "$snapshot" >/dev/null 2>&1 || true; done
+        left="$(ctr_ snapshots ls | awk 'NR > 1 {print $1}')"
+        [ "$left" != "$before" ] || die "cannot clear containerd's snapshots in $CONTAINERD_ROOT: remove it by hand"
+    done
+}
+
 import_images() {
     local start=$SECONDS
-    import_image "$PAUSE_IMAGE" "$PAUSE_ARCHIVE"
     import_image "$IMAGE" "$ARCHIVE"
+    import_image "$PAUSE_IMAGE" "$PAUSE_ARCHIVE"  # second: small, and cleared with the rest if the first cleared the cache
+    local names
+    names="$(ctr_ images ls -q)"  # (not piped into grep -q: with pipefail, its early exit fails the pipe)
+    grep -qx "$IMAGE" <<<"$names" || die "$IMAGE went missing while importing $PAUSE_IMAGE: run up again"
     log "images ready in $((SECONDS - start)) s: $IMAGE, $PAUSE_IMAGE"
 }
 

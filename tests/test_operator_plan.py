@@ -24,6 +24,7 @@ from conftest import EXAMPLES, REPO  # noqa: E402
 from hivekeeper.cli import build_parser  # noqa: E402
 from hivekeeper.kinds import runtime  # noqa: E402
 from hivekeeper.spec import load_manifest  # noqa: E402
+from hivekeeper.spec.manifest import parse_manifest  # noqa: E402
 from hivekeeper_operator import launch, pods, readers, volunteers  # noqa: E402
 from hivekeeper_operator.conditions import Cond, render_conditions  # noqa: E402
 from hivekeeper_operator.network import KubernetesNetwork  # noqa: E402
@@ -415,6 +416,20 @@ def test_invites_are_signed_by_the_swarm_key_for_each_role_and_kept_across_recon
     _, reissued = volunteers.ensure_access({"swarm-auth.pem": base64.b64encode(other).decode()}, invites,
                                            "digits-open", roles)
     assert all(reissued[name] != invites[name] for name in invites)  # a new key invalidates the old invites
+
+
+def test_the_token_service_restarts_for_its_inputs_not_for_the_resources_bookkeeping():
+    """A status write moves the resource's resourceVersion (and kopf's annotations): the swarm
+    info volunteers get, and so the token service's config hash, must not follow it."""
+    document = yaml.safe_load((EXAMPLES / "swarm-digits-volunteers.yaml").read_text())
+    hashes = []
+    for version in ("100", "101"):
+        document["metadata"].update(resourceVersion=version, generation=1, uid="0000-1111",
+                                    annotations={"kopf.zalando.org/last-handled-configuration": version})
+        hashes.append(plan_of(parse_manifest(document)).hashes)
+    assert hashes[0] == hashes[1]
+    document["spec"]["volunteers"]["allowlist"].append("carol")  # what it serves does restart it
+    assert plan_of(parse_manifest(document)).hashes["auth"] != hashes[0]["auth"]
 
 
 def test_nodeport_volunteers_need_a_public_host_and_ports_in_range():

@@ -213,8 +213,11 @@ def volunteer_info(manifest: Manifest, network: Network, relay_peer_ids: list[st
     relays it bootstraps from (backbone peers are inside the cluster, out of its reach) and
     whose averaging plan to follow."""
     relays = relay_maddrs(network, relay_peer_ids, public=True)
-    info = {"kind": manifest.kind, "name": manifest.metadata.name,
-            "manifest": manifest.model_dump(by_alias=True, mode="json", exclude_none=True),
+    document = manifest.model_dump(by_alias=True, mode="json", exclude_none=True, exclude={"status"})
+    # the name, not the cluster's bookkeeping: a resourceVersion that moves with every status
+    # write would change the token service's config hash, and so restart it, at every reconcile
+    document["metadata"] = {"name": manifest.metadata.name}
+    info = {"kind": manifest.kind, "name": manifest.metadata.name, "manifest": document,
             "initialPeers": relays, "relays": relays}
     if plan_signer:
         info["planSigner"] = plan_signer
