@@ -124,11 +124,32 @@ def optimizer_peer(manifest_path: str, run_id: str, initial_peers: Sequence[str]
         dht.shutdown()
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, children first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            children.setdefault(parent_pid(int(entry.name)), []).append(int(entry.name))
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children.get(parent, [])]
+        found += frontier
+    return found
+
+
 def stop_processes(*processes) -> None:
-    """Joins forked test processes, killing any that do not exit within 30 s."""
+    """Joins forked test processes, killing any that do not exit within 30 s together with all
+    it started: hivemind's DHT and averager processes outlive their parent's SIGKILL (each holds
+    both ends of its control pipe, so it never reads EOF) and would run on, p2pd and all, holding
+    the test run's stdout open."""
     for process in processes:
         if process is not None:
             process.join(30)
             if process.is_alive():
-                process.kill()
+                os.kill(process.pid, signal.SIGSTOP)  # it starts nothing more while its tree is read
+                for pid in [process.pid, *descendants(process.pid)]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 process.join(5)

@@ -209,6 +209,10 @@ CROSS_FIELD: dict[str, dict[str, tuple[dict[str, Any], str]]] = {
         "shifts with gradient averaging": ({"averaging": {"shiftEverySteps": 2}}, "spec.averaging.shiftEverySteps"),
         "optimizer state with gradient averaging": ({"averaging": {"mergeOptimizerState": False}},
                                                     "spec.averaging.mergeOptimizerState"),
+        "clipping settings with the mean": ({"averaging": {"centeredClip": {"radius": 0.1}}},
+                                            "spec.averaging.centeredClip"),
+        "centeredClip in groups of two": ({"averaging": {"aggregation": "centeredClip", "targetGroupSize": 2}},
+                                          "spec.averaging.targetGroupSize"),
         "trim without ties": ({"averaging": {"mode": "parameters", "trim": 0.5}, "auxiliary": {"replicas": 0}},
                               "spec.averaging.trim"),
         "merge period in steps and epochs": (

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hivekeeper.hivemind_ext.merging import AllOrNothingRunner, MergingAverager, agreeing_offsets, disjoint_mean
+from hivekeeper.hivemind_ext.robust import CenteredClip
 from hivekeeper.swarm.merging import MergeResult, SimpleMerger, TiesMerger, simple_average, ties_merge, trim_offsets
 from hivekeeper.swarm.optimizer import chunk_timeout
 
@@ -218,6 +219,57 @@ def test_members_that_disagree_on_the_merge_abandon_it_before_any_round(no_leake
     for result in results:
         assert not result.ok and (result.group_size, result.rounds_ok) == (2, 0), result
         assert "disagree" in result.error
+
+
+# --- a hostile member (averaging.aggregation: centeredClip) ------------------------------------------
+
+
+def rms(tensors: list[torch.Tensor]) -> float:
+    flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+    return float(flat.pow(2).mean().sqrt())
+
+
+def difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [x - y for x, y in zip(a, b)]
+
+
+@pytest.mark.swarm
+@pytest.mark.isolated
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["simple", "ties"])
+def test_a_hostile_members_huge_weights_barely_move_a_robust_merge(no_leaked_p2pd, kind):
+    """Three honest replicas that trained from one base (a shared step and their own noise) and
+    a fourth sending the first one's offset sign-flipped and 100 times larger: with CenteredClip
+    every member gets (nearly) the honest members' merge, where the plain merge of the four is
+    thrown far off."""
+    base, _ = random_models(seed=11)
+    shared = offsets_like(base, seed=12, count=1, spread=0.1)[0]
+    noise = offsets_like(base, seed=13, count=3, spread=0.03)
+    replicas = [[b + s + n for b, s, n in zip(base, shared, own)] for own in noise]
+    hostile = [b - 100 * (r - b) for b, r in zip(base, replicas[0])]
+    if kind == "simple":
+        honest, plain = simple_average(replicas), simple_average(replicas + [hostile])
+        make = lambda dht, _: SimpleMerger(dht, "robust_simple", base, aggregation=CenteredClip(), target_group_size=4,
+                                           min_group_size=4, next_chunk_timeout=HEALTHY_CHUNK_TIMEOUT, **FAST)
+        merge = lambda merger, replica: merger.merge(replica, timeout=60, allow_retries=False)
+    else:
+        honest, plain = ties_merge(base, replicas), ties_merge(base, replicas + [hostile])
+        make = lambda dht, _: TiesMerger(dht, "robust_ties", base, aggregation=CenteredClip(), target_group_size=4,
+                                         min_group_size=4, next_chunk_timeout=HEALTHY_CHUNK_TIMEOUT, **FAST)
+        merge = lambda merger, replica: merger.merge(base, replica, timeout=60, allow_retries=False)
+    with peers(4, make) as mergers:
+        results = together([lambda m=m, r=r: merge(m, r) for m, r in zip(mergers, replicas + [hostile])])
+    step = rms(difference(honest, base))  # how far the honest merge moved from the base
+    assert rms(difference(plain, honest)) > 10 * step  # the mean is thrown far off
+    for k, result in enumerate(results):
+        assert result.ok and (result.group_size, result.rounds_ok) == (4, 1 if kind == "simple" else 2), result
+        assert rms(difference(result.merged, honest)) < 0.3 * step, f"peer {k}"
+        assert_close(result.merged, results[0].merged, f"peer {k} and peer 0")  # one merge for all
+
+
+def test_a_robust_merger_refuses_groups_of_two():
+    with pytest.raises(ValueError, match="min_group_size"):
+        SimpleMerger(None, "robust_pair", [torch.zeros(2)], aggregation=CenteredClip(), min_group_size=2)
 
 
 # --- a peer that dies during a merge ------------------------------------------------------------

@@ -18,8 +18,8 @@ the admitted peer IDs live in a directory all of them read (a file per peer ID h
 expiry), and refusals are counted in shared memory and exported by the installing process.
 
 Left open on purpose (OPEN_HANDLER_PREFIXES): DHT requests, which the authorizer already checks
-one by one, the reachability check, and the admission handler itself. A peer that serves no admission handler (one that does not check
-tokens) is called without it."""
+one by one, the reachability check, and the admission handler itself. A peer that serves no
+admission handler (one that does not check tokens) is called without it."""
 
 from __future__ import annotations
 
@@ -208,7 +208,8 @@ class Gate:
         except Exception:  # another process of this peer registered it with other options
             log.debug("admission handler already served on this daemon", exc_info=True)
 
-    def gate_stream(self, p2p: P2P, name: str, handler: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    def gate_stream(self, p2p: P2P, name: str,
+                    handler: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
         async def gated(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             if self.admits(p2p.peer_id, stream_info.peer_id):
                 return await handler(stream_info, reader, writer)

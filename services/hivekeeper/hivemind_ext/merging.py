@@ -15,6 +15,18 @@ sender before it finished aggregates nothing more and fails its remaining result
 every peer still waiting for them sees a failed reducer; any failed part, in either round,
 abandons the merge at that peer. A peer thus ends with either the merge of the whole group
 (every member completed both rounds) or, from the step, an error and its tensors unchanged.
+
+Robust merges (`aggregation`, a CenteredClip; see `hivekeeper.hivemind_ext.robust`). Each
+aggregator replaces the mean of its part by CenteredClip, through the same all-or-nothing runner
+(`robust_runner(AllOrNothingRunner)`: the clipping reducer keeps hivemind's failure rules, and a
+lost sender voids the round as before). SIMPLE clips the replicas. TIES clips round 1's offsets
+(the elected sign is that of their robust center), and round 2 sends the agreeing offsets only,
+without the indicators: an offset is sent where it is nonzero and agrees, so its being nonzero
+is its vote, and the aggregators take the robust mean over each coordinate's voters
+(`CenteredClip(disjoint=True)`). The result is already the disjoint mean; the vote counts are
+never averaged, so no rounding can touch them. A member's huge offsets then move each part of
+the merge by at most the clipping radius per iteration, and in round 2 only where it voted.
+Members must agree on the aggregation (it is in the gathered data): round 2's tensors differ.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import multiprocessing as mp
 from typing import Any, Optional, Sequence
@@ -37,6 +50,7 @@ from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from hivekeeper.hivemind_ext import check_hivemind_version
 from hivekeeper.hivemind_ext.group_round import Group, abandon_on_failure, bandwidth_split, start_runner
+from hivekeeper.hivemind_ext.robust import CenteredClip, robust_runner
 
 check_hivemind_version(__name__)
 
@@ -106,20 +120,23 @@ class MergingAverager(DecentralizedAverager):
     """A DecentralizedAverager whose step is one whole merge (see the module docstring).
 
     Its tensors carry the input: TIES offsets (`kind="ties"`) or the replica itself
-    (`kind="simple"`). A step that succeeds replaces them with the merged offsets (or the
-    mean); a failed attempt leaves them as they were, so hivemind's retries start clean.
+    (`kind="simple"`); `aggregation` (a CenteredClip) makes the merge robust. A step that
+    succeeds replaces them with the merged offsets (or the mean); a failed attempt leaves them
+    as they were, so hivemind's retries start clean.
     `last_attempt` tells how far the last attempt got. hivemind names RPC handlers after the
     servicer's class: mergers meet only averagers of this class name on the same prefix (a
     subclass must keep the name to join them)."""
 
     runner_class: type[AllReduceRunner] = AllOrNothingRunner
 
-    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, kind: str, **kwargs: Any):
+    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, kind: str,
+                 aggregation: Optional[CenteredClip] = None, **kwargs: Any):
         if kind not in (TIES, SIMPLE):
             raise ValueError(f"kind must be {TIES!r} or {SIMPLE!r}, got {kind!r}")
         if kwargs.get("compression") is not None or kwargs.get("auxiliary"):
             raise ValueError("merges must be exact: no compression, and no auxiliary peers (they send nothing)")
         self.kind = kind
+        self.aggregation = aggregation  # None: plain means
         self._report = mp.get_context("fork").Array(ctypes.c_long, 3)  # before the fork in super().__init__
         self._shared_state: Optional[tuple[dict[str, Any], list[torch.Tensor]]] = None
         super().__init__(averaged_tensors, dht, **kwargs)
@@ -183,22 +200,34 @@ class MergingAverager(DecentralizedAverager):
             kwargs["weight"] = 1.0  # plain means: the counts in round 2 rely on it
             async with enter_asynchronously(self.get_tensors()) as inputs:
                 result = [tensor.clone() for tensor in inputs]
-                await self._run_round(result, group_info, group_info.group_id, fractions, **kwargs)
+                await self._run_round(result, group_info, group_info.group_id, fractions, self.aggregation,
+                                      **kwargs)
                 self._set_report(rounds_ok=1)
                 if self.kind == TIES:  # result holds the mean offsets: their signs are the elected ones
                     masked, indicators = agreeing_offsets(inputs, result)
-                    await self._run_round(masked + indicators, group_info, group_info.group_id + _ROUND_2,
-                                          fractions, **kwargs)  # in place: now their means
+                    round_2 = group_info.group_id + _ROUND_2
+                    if self.aggregation is None:
+                        await self._run_round(masked + indicators, group_info, round_2, fractions,
+                                              **kwargs)  # in place: now their means
+                        result = disjoint_mean(masked, indicators, group.size)
+                    else:  # the voters' robust mean, per coordinate (see the module docstring)
+                        await self._run_round(masked, group_info, round_2, fractions,
+                                              dataclasses.replace(self.aggregation, disjoint=True), **kwargs)
+                        result = masked
                     self._set_report(rounds_ok=2)
-                    result = disjoint_mean(masked, indicators, group.size)
                 for tensor, merged in zip(inputs, result):
                     tensor.copy_(merged)
             return {"peers": [str(peer) for peer in group_info.peer_ids], "group": group_info.group_id.hex()}
 
     async def _run_round(self, tensors: list[torch.Tensor], group_info: GroupInfo, group_id: bytes,
-                         peer_fractions: Sequence[int], **kwargs: Any) -> None:
-        """One all-reduce of `tensors` in place, over every member of the group, or an exception."""
-        runner = start_runner(self, tensors, group_info, group_id, self.runner_class, peer_fractions=peer_fractions,
+                         peer_fractions: Sequence[int], aggregation: Optional[CenteredClip] = None,
+                         **kwargs: Any) -> None:
+        """One all-reduce of `tensors` in place, over every member of the group, or an exception;
+        `aggregation` replaces each part's mean (None: the mean)."""
+        runner_class = self.runner_class
+        if aggregation is not None:
+            runner_class, kwargs = robust_runner(runner_class), dict(kwargs, aggregation=aggregation)
+        runner = start_runner(self, tensors, group_info, group_id, runner_class, peer_fractions=peer_fractions,
                               **kwargs)
         async for tensor, update in azip(as_aiter(*tensors), runner):
             tensor.add_(update)

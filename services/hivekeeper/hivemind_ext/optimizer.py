@@ -4,23 +4,28 @@
 moved as metrics (and `last_round`), follows the averaging plan's role (`set_computes_gradients`),
 steps only on a really accumulated global batch (`BatchBoundTracker`), schedules no rounds while
 alone, and refuses averages that are not finite: gradients (it steps on local ones instead) and
-parameters (`FiniteStateAverager`, which keeps the local ones).
+parameters (`FiniteStateAverager`, which keeps the local ones). With `aggregation` (a
+CenteredClip) the parameter averages are robust too, as the gradient averager's are (its
+aggregation comes with the gradient averager's factory).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import hivemind
 import torch
-from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from hivekeeper.hivemind_ext import check_hivemind_version
 from hivekeeper.hivemind_ext.allreduce import CountingGradientAverager
+from hivekeeper.hivemind_ext.group_round import add_averages, start_runner
+from hivekeeper.hivemind_ext.robust import CenteredClip, robust_runner
 from hivekeeper.metrics import SwarmMetrics
 
 check_hivemind_version(__name__)
@@ -58,7 +63,21 @@ class BatchBoundTracker(ProgressTracker):
 
 class FiniteStateAverager(TrainingStateAverager):
     """Refuses a non-finite parameter average (a group whose weights sum to 0 divides 0 by 0,
-    as gradient averaging can) and keeps the local state instead."""
+    as gradient averaging can) and keeps the local state instead; with `aggregation`, each
+    part it aggregates is CenteredClip's center instead of the mean."""
+
+    def __init__(self, *args: Any, aggregation: Optional[CenteredClip] = None, **kwargs: Any):
+        self._aggregation = aggregation  # set before super().__init__ forks the averager's process
+        super().__init__(*args, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
+                                      group_id: Optional[bytes] = None, **kwargs: Any) -> None:
+        """hivemind's, with the robust runner when an aggregation is set."""
+        runner_class: type[AllReduceRunner] = AllReduceRunner
+        if self._aggregation is not None:
+            runner_class, kwargs = robust_runner(AllReduceRunner), dict(kwargs, aggregation=self._aggregation)
+        runner = start_runner(self, tensors, group_info, group_id, runner_class, **kwargs)
+        await add_averages(self, runner, tensors, group_info)
 
     def _apply_averaging_results_(self):
         with self.get_tensors() as averaged:
@@ -77,8 +96,10 @@ FiniteStateAverager.__name__ = TrainingStateAverager.__name__
 class InstrumentedOptimizer(hivemind.Optimizer):
     """hivemind's Optimizer feeding SwarmMetrics, with the guards in the module docstring."""
 
-    def __init__(self, *args: Any, metrics: SwarmMetrics, expected_peers: int = 1, **kwargs: Any):
+    def __init__(self, *args: Any, metrics: SwarmMetrics, expected_peers: int = 1,
+                 state_aggregation: Optional[CenteredClip] = None, **kwargs: Any):
         self.metrics = metrics
+        self.state_aggregation = state_aggregation  # the parameter averages' (None: hivemind's mean)
         self.expected_peers = expected_peers
         self.last_round: dict[str, Any] = {}
         self._bytes_seen = (0.0, 0.0)
@@ -114,7 +135,8 @@ class InstrumentedOptimizer(hivemind.Optimizer):
             allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
             offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,
             status_loglevel=self.status_loglevel, next_chunk_timeout=self.next_chunk_timeout,
-            client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
+            client_mode=self.client_mode, auxiliary=self.auxiliary, aggregation=self.state_aggregation, start=True,
+            **kwargs)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
         return BatchBoundTracker(

@@ -18,7 +18,16 @@ Choices, and why:
   are capped at the median weight before use.
 
 The reducer keeps every sender's part of the current part index in memory (n x part size),
-where hivemind keeps one running sum."""
+where hivemind keeps one running sum.
+
+`disjoint=True` is the same rule for TIES's second round, whose senders send an offset only
+where it agrees with the elected sign and 0 elsewhere: a 0 is an abstention, not a value, so
+each coordinate's update is normalized by the weight of the senders that voted there, and a
+sender's distance counts its votes only. The start is the voters' median where at least three
+voted, and 0 (no offset) elsewhere: where a hostile sender votes alone or with one honest voter
+a median would be its own value or half of it, while from 0 its pull is clipped like anywhere
+else. With no clipping it is exactly TIES's disjoint mean, and the vote counts never pass
+through any arithmetic that could round them."""
 
 from __future__ import annotations
 
@@ -36,13 +45,16 @@ from hivekeeper.hivemind_ext import check_hivemind_version
 
 check_hivemind_version(__name__)
 
-__all__ = ["CenteredClip", "ClippingPartReducer", "robust_runner"]
+__all__ = ["CenteredClip", "ClippingPartReducer", "lower_median", "robust_runner"]
+
+SORTING_NETWORK_ROWS = 16  # above this many senders the network's n^2 min/max cost more than a sort
 
 
 @dataclass(frozen=True)
 class CenteredClip:
     radius: Optional[float] = None  # per-element RMS of tau; None: the parts' median distance from the start
     iterations: int = 3
+    disjoint: bool = False  # zeros abstain (TIES's round 2); see the module docstring
 
     def __post_init__(self) -> None:
         if self.radius is not None and not (math.isfinite(self.radius) and self.radius > 0):
@@ -56,19 +68,53 @@ class CenteredClip:
         flat = parts.reshape(n, -1).to(torch.float32)
         weights = weights.to(torch.float32)
         weights = torch.minimum(weights, weights.median())
-        weights = weights / weights.sum()
-        center = flat.median(dim=0).values if n > 2 else flat.mean(dim=0)
+        if self.disjoint:
+            votes = (flat != 0).to(torch.float32)
+            center = _voters_median(flat, votes)
+            # a sender's share of a coordinate: its weight over its fellow voters' (none voted: 0)
+            shares = weights[:, None] * votes / (weights @ votes).clamp_min(1e-30)
+        else:
+            votes = None
+            center = lower_median(flat) if n > 2 else flat.mean(dim=0)
+            shares = weights / weights.sum()
+
+        def offsets_from(center: torch.Tensor) -> torch.Tensor:
+            return flat - center if votes is None else (flat - center) * votes
+
         if self.radius is not None:
             tau = self.radius * math.sqrt(flat.shape[1])
         else:
-            tau = float((flat - center).norm(dim=1).median())
+            tau = float(offsets_from(center).norm(dim=1).median())
         if tau <= 0:  # the parts agree with the start: nothing to clip
             return center.reshape(parts.shape[1:]).to(parts.dtype)
         for _ in range(self.iterations):
-            offsets = flat - center
+            offsets = offsets_from(center)
             scale = torch.clamp(tau / offsets.norm(dim=1).clamp_min(1e-30), max=1.0)
-            center = center + (weights * scale) @ offsets
+            if votes is None:
+                center = center + (shares * scale) @ offsets
+            else:
+                center = center + (shares * scale[:, None] * offsets).sum(0)
         return center.reshape(parts.shape[1:]).to(parts.dtype)
+
+
+def lower_median(rows: torch.Tensor) -> torch.Tensor:
+    """torch.median(rows, dim=0) (the lower median), 15-25 times faster for the few rows of a
+    group: an odd-even transposition network of elementwise min/max instead of a sort per column
+    (17 ms against 0.7 ms for 4 x 131072 floats, hivemind's part size, on one core)."""
+    if rows.shape[0] > SORTING_NETWORK_ROWS:
+        return rows.median(dim=0).values
+    ordered = list(rows.unbind(0))
+    for sweep in range(len(ordered)):
+        for i in range(sweep % 2, len(ordered) - 1, 2):
+            low, high = ordered[i], ordered[i + 1]
+            ordered[i], ordered[i + 1] = torch.minimum(low, high), torch.maximum(low, high)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _voters_median(flat: torch.Tensor, votes: torch.Tensor) -> torch.Tensor:
+    """Per coordinate, the median of the voters' values where at least three voted, else 0."""
+    median = torch.where(votes > 0, flat, torch.full_like(flat, math.nan)).nanmedian(dim=0).values
+    return torch.where(votes.sum(0) >= 3, median, torch.zeros_like(median))
 
 
 class ClippingPartReducer(TensorPartReducer):

@@ -17,6 +17,11 @@ from hivekeeper.spec.training import OptimizerSpec, StoppingSpec, TaskSpec
 from hivekeeper.spec.volunteers import VolunteersSpec
 
 CompressionName = Literal["none", "float16", "uniform8bit", "blockwise8bit"]
+# A robust aggregator cannot tell which of two members is the hostile one: with one honest and
+# one hostile sender CenteredClip starts from their mean and clips neither (they are equally far
+# from it), so the attack goes through. Robust rounds (and merges) need three members; with fewer
+# at hand a round fails and each peer steps on its own gradients, which no one else can move.
+ROBUST_MIN_GROUP_SIZE = 3
 MERGE_EVERY_STEPS = 10  # replicas merge this often unless mergeEverySteps or mergeEveryEpochs says otherwise
 
 
@@ -59,9 +64,7 @@ class BalancerSpec(SpecModel):
 
 
 class CenteredClipSpec(SpecModel):
-    """CenteredClip (Karimireddy, He and Jaggi 2021; decentralized as in BTARD): each aggregator
-    replaces the mean of its part by a center that no single sender can pull further than the
-    clipping radius per iteration."""
+    """CenteredClip (Karimireddy et al. 2021, as BTARD decentralizes it): no sender pulls a part further than the radius."""
 
     radius: Optional[float] = Field(
         None, gt=0, description="clipping radius per element (RMS); default: the senders' median distance from "
@@ -108,6 +111,14 @@ class AveragingSpec(SpecModel):
         CelRule("self.mode != 'gradients' || self.mergeOptimizerState", "only for mode parameters or ties",
                 ".mergeOptimizerState"),
         CelRule("!has(self.trim) || self.mode == 'ties'", "only for mode ties", ".trim"),
+        CelRule("self.aggregation == 'centeredClip' || !has(self.centeredClip) || "
+                "(!has(self.centeredClip.radius) && (!has(self.centeredClip.iterations) || "
+                f"self.centeredClip.iterations == {CenteredClipSpec.model_fields['iterations'].default}))",
+                "only for aggregation centeredClip", ".centeredClip"),
+        CelRule(f"self.aggregation != 'centeredClip' || !has(self.targetGroupSize) || "
+                f"self.targetGroupSize >= {ROBUST_MIN_GROUP_SIZE}",
+                f"centeredClip needs groups of at least {ROBUST_MIN_GROUP_SIZE} (of two, neither can be told hostile)",
+                ".targetGroupSize"),
         CelRule("!has(self.mergeEverySteps) || !has(self.mergeEveryEpochs)",
                 "set mergeEverySteps or mergeEveryEpochs, not both", ".mergeEveryEpochs"),
         CelRule(f"!has(self.shiftEverySteps) || has(self.mergeEveryEpochs) || self.shiftEverySteps < "
@@ -127,6 +138,12 @@ class AveragingSpec(SpecModel):
             raise ValueError(f"{names}: only for mode parameters or ties (mode is gradients)")
         if self.trim is not None and self.mode != "ties":
             raise ValueError(f"trim: only for mode ties (mode is {self.mode})")
+        if self.aggregation != "centeredClip" and self.centered_clip != CenteredClipSpec():
+            raise ValueError(f"centeredClip: only for aggregation centeredClip (aggregation is {self.aggregation})")
+        if self.aggregation == "centeredClip" and self.target_group_size is not None \
+                and self.target_group_size < ROBUST_MIN_GROUP_SIZE:
+            raise ValueError(f"targetGroupSize: centeredClip needs groups of at least {ROBUST_MIN_GROUP_SIZE} "
+                             f"(of two, neither can be told hostile), got {self.target_group_size}")
         if self.merge_every_steps is not None and self.merge_every_epochs is not None:
             raise ValueError("set mergeEverySteps or mergeEveryEpochs, not both")
         merge_every = self.merge_every_steps or MERGE_EVERY_STEPS

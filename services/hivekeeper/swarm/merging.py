@@ -38,6 +38,16 @@ model is base + merged offset. Results match the centralized merge within float3
 zero (about 1e-7 of the largest offset): there a float32 all-reduce, whose summation order
 follows the arrival of parts, may elect either sign, as any float32 implementation may.
 No compression is allowed: a lossy codec would change the elected signs and the counts.
+
+Robust merges (`aggregation=CenteredClip(...)`, the Swarm's `averaging.aggregation:
+centeredClip`): the aggregators replace every mean above by CenteredClip (Karimireddy et al.
+2021, per part as in BTARD), so that a member sending huge or sign-flipped weights moves the
+merge by at most the clipping radius. Simple averaging clips the replicas. TIES elects the sign
+of the offsets' robust center, and round 2 takes, per coordinate, the robust mean of the
+agreeing offsets only: a nonzero masked offset is its sender's vote, so the indicators are not
+sent and the counts are never averaged (`hivekeeper.hivemind_ext.merging`). With honest members
+the result is close to, not equal to, the plain merge (CenteredClip is not the mean); members
+must agree on the aggregation, as on the trim.
 """
 
 from __future__ import annotations
@@ -52,6 +62,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from hivekeeper.hivemind_ext.merging import SIMPLE, TIES, MergingAverager
+from hivekeeper.hivemind_ext.robust import CenteredClip
+from hivekeeper.spec.swarm import ROBUST_MIN_GROUP_SIZE
 
 __all__ = ["MergeResult", "SimpleMerger", "TiesMerger", "simple_average", "ties_merge", "trim_offsets"]
 
@@ -152,23 +164,33 @@ class _Merger:
     averager_class: type[MergingAverager] = MergingAverager
 
     def __init__(self, dht: Any, prefix: str, tensors_like: Sequence[torch.Tensor], *,
-                 target_group_size: Optional[int] = None, min_group_size: int = 2,
+                 target_group_size: Optional[int] = None, min_group_size: Optional[int] = None,
                  min_matchmaking_time: float = 5.0, request_timeout: float = 3.0,
                  next_chunk_timeout: Optional[float] = 10.0, allreduce_timeout: float = 120.0,
-                 **averager_kwargs: Any):
+                 aggregation: Optional[CenteredClip] = None, **averager_kwargs: Any):
+        # a robust merge needs three members: of two, neither can be told hostile (spec.swarm)
+        smallest = 2 if aggregation is None else ROBUST_MIN_GROUP_SIZE
+        if min_group_size is None:
+            min_group_size = smallest
+        elif min_group_size < smallest:
+            raise ValueError(f"min_group_size must be at least {smallest} for this aggregation, got {min_group_size}")
         self.shapes = [tuple(tensor.shape) for tensor in tensors_like]
+        self.aggregation = aggregation
         self.allreduce_timeout, self.min_matchmaking_time = allreduce_timeout, min_matchmaking_time
         self._lock = threading.Lock()  # one merge at a time: the averager's tensors hold its input
         self.averager = self.averager_class(
             [torch.zeros(shape, dtype=torch.float32) for shape in self.shapes], dht, kind=self.kind,
-            prefix=prefix, start=True, target_group_size=target_group_size, min_group_size=min_group_size,
-            min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
+            aggregation=aggregation, prefix=prefix, start=True, target_group_size=target_group_size,
+            min_group_size=min_group_size, min_matchmaking_time=min_matchmaking_time, request_timeout=request_timeout,
             next_chunk_timeout=next_chunk_timeout, allreduce_timeout=allreduce_timeout, **averager_kwargs)
         self.peer_id = str(self.averager.peer_id)
 
 
     def _gathered(self, **fields: Any) -> dict[str, Any]:
-        return {"merge": self.kind, "layout": [list(shape) for shape in self.shapes], **fields}
+        clip = self.aggregation
+        aggregation = "mean" if clip is None else ["centeredClip", clip.radius, clip.iterations]
+        return {"merge": self.kind, "layout": [list(shape) for shape in self.shapes], "aggregation": aggregation,
+                **fields}
 
     def _run(self, inputs: Sequence[torch.Tensor], gather: dict[str, Any], timeout: float,
              allow_retries: bool) -> tuple[Optional[list[torch.Tensor]], MergeResult]:
@@ -235,7 +257,8 @@ class TiesMerger(_Merger):
     Every peer passes the same `base` (the last merged model) and its own replica; a
     successful `merge` returns base + the disjoint mean of the sign-agreeing offsets of the
     whole group, identical (to float32 rounding) at every member and equal to
-    `ties_merge(base, [replicas of the group], trim)`."""
+    `ties_merge(base, [replicas of the group], trim)` (with `aggregation`, its robust
+    counterpart: see the module docstring)."""
 
     kind = TIES
 
@@ -265,7 +288,8 @@ class TiesMerger(_Merger):
 
 class SimpleMerger(_Merger):
     """Simple averaging with the peers of one hivemind group (one all-reduce round): a
-    successful `merge` returns the arithmetic mean of the group's replicas."""
+    successful `merge` returns the arithmetic mean of the group's replicas (with
+    `aggregation`, their CenteredClip center)."""
 
     kind = SIMPLE
 

@@ -38,6 +38,7 @@ from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 
+from hivekeeper.hivemind_ext.robust import CenteredClip
 from hivekeeper.swarm.merging import MergeResult, SimpleMerger, TiesMerger
 from hivekeeper.swarm.model_shifting import ModelShifter
 from hivekeeper.swarm.optimizer import chunk_timeout, reset_step_counters
@@ -190,7 +191,8 @@ class MergingPeer(WrapperPeer):
                  trim: Optional[float] = None, merge_optimizer_state: bool = True,
                  shift_every: Optional[int] = None, target_group_size: Optional[int] = None,
                  matchmaking_seconds: float = 2.0, timeout_seconds: float = 30.0,
-                 on_merge: Optional[Callable[[MergeRecord], None]] = None):
+                 on_merge: Optional[Callable[[MergeRecord], None]] = None,
+                 aggregation: Optional[CenteredClip] = None):
         if mode not in ("parameters", "ties"):
             raise ValueError(f"mode must be 'parameters' or 'ties', got {mode!r} "
                              "(mode 'gradients': hivekeeper.swarm.ddap.connect)")
@@ -214,7 +216,8 @@ class MergingPeer(WrapperPeer):
                                     timeout=timeout_seconds) if shift_every else None
         options = dict(target_group_size=target_group_size, min_matchmaking_time=matchmaking_seconds,
                        request_timeout=min(3.0, matchmaking_seconds / 2), allreduce_timeout=timeout_seconds,
-                       next_chunk_timeout=chunk_timeout(matchmaking_seconds, timeout_seconds))
+                       next_chunk_timeout=chunk_timeout(matchmaking_seconds, timeout_seconds),
+                       aggregation=aggregation)  # a CenteredClip makes merges robust (swarm.merging)
         merger_prefix = f"{prefix}_merge"
         self.merger = (TiesMerger(dht, merger_prefix, tensors, trim=trim, **options) if mode == "ties"
                        else SimpleMerger(dht, merger_prefix, tensors, **options))

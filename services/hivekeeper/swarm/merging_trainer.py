@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from hivekeeper.swarm.merging_peer import MergeRecord, MergingPeer
+from hivekeeper.swarm.optimizer import robust_aggregation
 from hivekeeper.swarm.role import SwarmContext
 from hivekeeper.training.loop import RateWindow, ReportCadence
 from hivekeeper.training.optimizers import scheduler_factory, torch_optimizer_factory
@@ -43,7 +44,8 @@ def train_merging(ctx: SwarmContext, task, model: torch.nn.Module, dht, batch_si
                        shift_every=averaging.shift_every_steps,
                        target_group_size=averaging.target_group_size,
                        matchmaking_seconds=averaging.matchmaking_seconds,
-                       timeout_seconds=averaging.timeout_seconds, on_merge=record)
+                       timeout_seconds=averaging.timeout_seconds, on_merge=record,
+                       aggregation=robust_aggregation(averaging))
     try:
         joined = peer.join()
         log.info("merging trainer started", extra={"fields": {

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from hivekeeper.metrics import SwarmMetrics
-from hivekeeper.spec.swarm import AveragingSpec, SwarmSpec
+from hivekeeper.spec.swarm import ROBUST_MIN_GROUP_SIZE, AveragingSpec, SwarmSpec
 from hivekeeper.training.optimizers import scheduler_factory, torch_optimizer_factory
 
 # Bytes a tensor element takes on the wire under each compression (hivemind's serializers).
@@ -36,7 +36,8 @@ def averaging_group_size(spec: SwarmSpec) -> int:
     if spec.averaging.target_group_size:
         return spec.averaging.target_group_size
     peers = spec.trainers.replicas + spec.auxiliary.replicas
-    return max(2, optimal_group_size(peers, spec.averaging.peer_failure_probability))
+    smallest = ROBUST_MIN_GROUP_SIZE if spec.averaging.aggregation == "centeredClip" else 2
+    return max(smallest, optimal_group_size(peers, spec.averaging.peer_failure_probability))
 
 
 # how often a peer's progress record is refreshed in the DHT (hivemind's defaults are far slower)
@@ -61,9 +62,12 @@ def robust_aggregation(averaging: AveragingSpec):
     return CenteredClip(radius=averaging.centered_clip.radius, iterations=averaging.centered_clip.iterations)
 
 
-def averager_options(target_group_size: Optional[int], matchmaking_seconds: float) -> dict:
+def averager_options(target_group_size: Optional[int], matchmaking_seconds: float, robust: bool = False) -> dict:
     """hivemind advises a request timeout below the matchmaking time (rare deadlocks otherwise)."""
-    return dict(target_group_size=target_group_size, request_timeout=min(3.0, matchmaking_seconds / 2))
+    options = dict(target_group_size=target_group_size, request_timeout=min(3.0, matchmaking_seconds / 2))
+    if robust:
+        options["min_group_size"] = ROBUST_MIN_GROUP_SIZE
+    return options
 
 
 def make_collaborative_optimizer(
@@ -82,6 +86,7 @@ def make_collaborative_optimizer(
     from hivekeeper.hivemind_ext.optimizer import InstrumentedOptimizer
 
     averaging = spec.averaging
+    aggregation = robust_aggregation(averaging)
     grad_compression = compression(averaging.compression)
     optimizer = InstrumentedOptimizer(
         dht=dht,
@@ -103,9 +108,13 @@ def make_collaborative_optimizer(
         state_averaging_compression=grad_compression,
         grad_averager_factory=partial(
             PlannedCountingGradientAverager, wire_bytes_per_element=WIRE_BYTES_PER_ELEMENT[averaging.compression],
-            aggregation=robust_aggregation(averaging),
+            aggregation=aggregation,
+            # hivemind 1.1.12 passes averager_opts to the state averager only
+            **({"min_group_size": ROBUST_MIN_GROUP_SIZE} if aggregation is not None else {}),
         ),
-        averager_opts=averager_options(averaging_group_size(spec), averaging.matchmaking_seconds),
+        state_aggregation=aggregation,  # parameters averaged every averageStateEvery steps
+        averager_opts=averager_options(averaging_group_size(spec), averaging.matchmaking_seconds,
+                                       robust=aggregation is not None),
         tracker_opts=TRACKER_REFRESH,
         metrics=metrics,
         expected_peers=spec.trainers.replicas,  # the progress tracker counts trainers only
