@@ -181,6 +181,8 @@ def _run(options: JoinOptions, role: Role, peer_id: str, connectivity: Connectiv
     finally:
         if watchdog is not None:
             watchdog.stop()
+        if state == "interrupted":  # the summary tells what the role did up to its stop, not a poll ago
+            status = fetch_status(role.ports[METRICS], timeout=5.0, host=_local(options.host)) or status
         supervisor.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
