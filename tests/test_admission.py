@@ -88,6 +88,18 @@ def _server(creds: Optional[Credentials], out: mp.Queue, stop: Any) -> None:
         await p2p.shutdown()
 
     asyncio.run(main())
+    _remove_table()
+
+
+def _remove_table() -> None:
+    """A forked process exits without atexit: remove its gate's table itself."""
+    import shutil
+
+    from hivekeeper.hivemind_ext.admission import installed_gate
+
+    gate = installed_gate()
+    if gate is not None:
+        shutil.rmtree(gate.admitted.directory, ignore_errors=True)
 
 
 async def _call(p2p: P2P, peer: PeerID, handler: str, number: int) -> str:
@@ -133,6 +145,7 @@ def _caller(out: mp.Queue, creds: Optional[Credentials], server: tuple[bytes, li
             await p2p.shutdown()
 
     out.put(asyncio.run(main()))
+    _remove_table()
 
 
 def _run(target, *args) -> Any:

@@ -56,6 +56,7 @@ REFUSED = "hivekeeper admission refused"  # starts every refusal's message, so a
 # worth admitting; it dials back only the caller itself, a few at a time.
 OPEN_HANDLER_PREFIXES = ("DHTProtocol.", "hivekeeper.reachability.")
 RECHECK_SECONDS = 60.0  # a caller admits again this often, in case the callee restarted and forgot it
+TABLE_PREFIX = "hivekeeper-admitted-"  # then the installer's pid: a table whose installer is gone is removed
 DISCARD_SECONDS, DISCARD_BYTES = 2.0, 1 << 20  # what a refused stream may still send before it is cut
 REASONS = ("not_admitted", "malformed", "bad_signature", "expired", "bad_proof")
 _ADMIT_DOMAIN = b"hivekeeper-admit-v1\x00"
@@ -293,12 +294,21 @@ def install(credentials: Credentials, registry: Any = None) -> Gate:
     global _gate
     if _gate is not None and _gate.installer_pid == os.getpid():
         return _gate
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-    directory = Path(tempfile.mkdtemp(prefix="hivekeeper-admitted-", dir=base))
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    _remove_orphaned_tables(base)
+    directory = Path(tempfile.mkdtemp(prefix=f"{TABLE_PREFIX}{os.getpid()}-", dir=base))
     _gate = Gate(credentials, directory, registry)
     atexit.register(_remove_table, directory, os.getpid())
     _patch_p2p()
     return _gate
+
+
+def _remove_orphaned_tables(base: Path) -> None:
+    """Tables of installers that died without exiting (killed): nothing removed them."""
+    for table in base.glob(f"{TABLE_PREFIX}*-*"):
+        pid = table.name[len(TABLE_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(table, ignore_errors=True)
 
 
 def _remove_table(directory: Path, owner: int) -> None:
