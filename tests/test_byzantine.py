@@ -5,7 +5,11 @@ hook of this test only (it scales the peer's loss), never a product option.
 
 Each peer runs in its own process (hivemind signs progress with one key per process). The
 honest first peer counts the steps; once it is done the others are told to stop, so that none
-is left stepping, or waiting in a round, with peers that have gone."""
+is left stepping, or waiting in a round, with peers that have gone. The peers start stepping
+together, once all three optimizers are up, so that the attacker takes part from the first round.
+
+The mean climbs at once (the attacker's -10 outweighs two honest gradients from the first round),
+so its arm stops after a few steps; the clip arm takes more, to show a steady descent."""
 
 from __future__ import annotations
 
@@ -19,19 +23,21 @@ import torch
 
 from conftest import optimizer_peer, stop_processes, write_manifest
 
-STEPS = 12
+STEPS = {"mean": 3, "centeredClip": 12}
 ATTACK_SCALE = -10.0
 # generous: on 2 busy cores a peer took 35 s to import and bootstrap its DHT, and a swarm 140 s (60 s idle)
 START_SECONDS, TRAIN_SECONDS = 120, 300
 
 
-def _peer(manifest_path: str, scale: float, initial_peers: list[str], out: mp.Queue, stop) -> None:
+def _peer(manifest_path: str, scale: float, initial_peers: list[str], out: mp.Queue, stop, go, steps: int) -> None:
     try:
         with optimizer_peer(manifest_path, "byzantine", initial_peers,
                             announce=lambda maddrs: out.put(("maddrs", maddrs))) as (task, model, _, opt):
             before = task.evaluate(model)["loss"]
             generator = torch.Generator().manual_seed(len(initial_peers))
-            while opt.local_epoch < STEPS and not stop.is_set():
+            out.put(("ready", None))
+            go.wait(2 * START_SECONDS)  # every peer is ready (or the test has failed and stops it)
+            while opt.local_epoch < steps and not stop.is_set():
                 indices = torch.randint(0, task.train_size, (16,), generator=generator).tolist()
                 loss = task.loss(model, task.train_batch(indices)) * scale
                 loss.backward()
@@ -53,8 +59,8 @@ def receive(out: mp.Queue, kind: str, timeout: float, who: str) -> Any:
     return value
 
 
-def run_swarm(directory, aggregation: str) -> dict[str, float]:
-    """The honest first peer's held-out loss before and after STEPS collaborative steps with
+def run_swarm(directory, aggregation: str, steps: int) -> dict[str, float]:
+    """The honest first peer's held-out loss before and after `steps` collaborative steps with
     one more honest peer and the attacker."""
     directory.mkdir()
     manifest = str(write_manifest(directory, {"spec": {
@@ -63,31 +69,35 @@ def run_swarm(directory, aggregation: str) -> dict[str, float]:
         "averaging": {"matchmakingSeconds": 2.0, "timeoutSeconds": 30, "aggregation": aggregation}}}))
     ctx = mp.get_context("fork")
     outs = [ctx.Queue() for _ in range(3)]
-    stop = ctx.Event()
+    stop, go = ctx.Event(), ctx.Event()
     processes: list = []
     try:
-        processes.append(ctx.Process(target=_peer, args=(manifest, 1.0, [], outs[0], stop)))
+        processes.append(ctx.Process(target=_peer, args=(manifest, 1.0, [], outs[0], stop, go, steps)))
         processes[0].start()
         maddrs = receive(outs[0], "maddrs", START_SECONDS, "the first peer")
         for index, scale in ((1, 1.0), (2, ATTACK_SCALE)):
-            processes.append(ctx.Process(target=_peer, args=(manifest, scale, maddrs, outs[index], stop)))
+            processes.append(ctx.Process(target=_peer, args=(manifest, scale, maddrs, outs[index], stop, go, steps)))
             processes[-1].start()
         for index in (1, 2):
             receive(outs[index], "maddrs", START_SECONDS, f"peer {index}")
+        for index in range(3):
+            receive(outs[index], "ready", START_SECONDS, "the first peer" if index == 0 else f"peer {index}")
+        go.set()
         result = receive(outs[0], "done", TRAIN_SECONDS, "the honest first peer")
-        assert result["epoch"] >= STEPS, result
+        assert result["epoch"] >= steps, result
         return result
     finally:
+        go.set()
         stop.set()  # the others leave within a step (a round ends within timeoutSeconds)
         stop_processes(*processes)
 
 
 @pytest.mark.swarm
-@pytest.mark.timeout(2 * START_SECONDS + TRAIN_SECONDS + 3 * 35 + 30)  # above every wait in run_swarm
+@pytest.mark.timeout(3 * START_SECONDS + TRAIN_SECONDS + 3 * 35 + 30)  # above every wait in run_swarm
 @pytest.mark.parametrize("aggregation", ["mean", "centeredClip"])
 def test_centered_clip_keeps_descending_where_the_mean_climbs(tmp_path, no_leaked_p2pd, aggregation):
-    loss = run_swarm(tmp_path / aggregation, aggregation)
-    print(f"{aggregation}: held-out loss before -> after {STEPS} steps: {loss['before']:.3f} -> {loss['after']:.3f}")
+    loss = run_swarm(tmp_path / aggregation, aggregation, STEPS[aggregation])
+    print(f"{aggregation}: held-out loss before -> after {STEPS[aggregation]} steps: {loss['before']:.3f} -> {loss['after']:.3f}")
     if aggregation == "mean":
         assert loss["after"] > loss["before"], loss  # the attacker steers the mean uphill
     else:

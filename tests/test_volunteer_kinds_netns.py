@@ -77,7 +77,9 @@ def cluster_running(tmp: Path, changes: dict[str, Any], base: str) -> Iterator[C
                                              str(run_dir), "--host", lab.cluster_ip],
                                stdout=log, stderr=subprocess.STDOUT)
         try:
-            yield Cluster(lab, run_dir, runner)
+            cluster = Cluster(lab, run_dir, runner)
+            cluster.mint_invite()  # while the resource starts
+            yield cluster
         finally:
             if runner.poll() is None:
                 runner.send_signal(signal.SIGINT)

@@ -15,8 +15,8 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -155,6 +155,7 @@ class Cluster:
     lab: NatLab
     run_dir: Path
     runner: subprocess.Popen
+    invites: dict[str, Future] = field(default_factory=dict, repr=False)  # identity: its invite, minted once
 
     @property
     def run(self) -> dict[str, Any]:
@@ -165,11 +166,26 @@ class Cluster:
         return self.run["gateway"]
 
     def invite(self, identity: str = VOLUNTEER) -> str:
-        """What an admin hands a volunteer: `hivekeeper invite RUN_DIR --identity NAME`."""
-        done = subprocess.run([sys.executable, "-m", "hivekeeper", "invite", str(self.run_dir), "--identity", identity],
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
-        return done.stdout.strip()
+        """What an admin hands a volunteer: `hivekeeper invite RUN_DIR --identity NAME`. Minted
+        once per identity and cluster (the command imports hivemind: seconds of CPU) and handed
+        to each volunteer of that identity: an invite serves again until it expires (a week)."""
+        return self.mint_invite(identity).result()
+
+    def mint_invite(self, identity: str = VOLUNTEER) -> Future:
+        """Starts minting the invite in the background, once the run has its signing key, unless
+        it is under way or done: the cluster's start-up need not wait for it."""
+        if identity not in self.invites:
+            def mint() -> str:
+                wait_for(lambda: (self.run_dir / "keys" / "swarm-auth.pem").is_file(), 60, "the swarm's signing key")
+                done = subprocess.run([sys.executable, "-m", "hivekeeper", "invite", str(self.run_dir), "--identity",
+                                       identity], capture_output=True, text=True, timeout=120)
+                assert done.returncode == 0, done.stderr
+                return done.stdout.strip()
+
+            pool = ThreadPoolExecutor(1)
+            self.invites[identity] = pool.submit(mint)
+            pool.shutdown(wait=False)
+        return self.invites[identity]
 
     def status(self, role: str) -> Optional[dict[str, Any]]:
         port = json.loads((self.run_dir / "ports.json").read_text())[role]
@@ -205,6 +221,7 @@ def cluster(tmp_path_factory):
                                              str(run_dir), "--host", lab.cluster_ip], stdout=log, stderr=subprocess.STDOUT)
         swarm = Cluster(lab, run_dir, runner)
         try:
+            swarm.mint_invite()  # meanwhile
             wait_for(lambda: (run_dir / "ports.json").exists() and (swarm.status("monitor-0") or {}).get("globalStep"),
                      150, "the cluster to train")
             yield swarm
