@@ -1,20 +1,23 @@
-"""Weight merging against synchronous gradient averaging, 4 peers, the digits task or (`--task lm`)
-the small Llama-style language model of examples/swarm-lm.yaml.
+"""Weight merging and DiLoCo against synchronous gradient averaging, 4 peers, the digits task or
+(`--task lm`) the small Llama-style language model of examples/swarm-lm.yaml.
 
-Runs `hivekeeper up` once per configuration (the real roles: backbone, 4 trainers, monitor)
-for the same number of local steps: `gradients` (DeDLOC: every step is one synchronous
-step over 4 x 32 samples) and `parameters` / `ties` merging every N local steps. The
-monitor evaluates the merged (or shared) model every few steps; we record accuracy against
-wall time and against steps, print one table, and write JSON and a PNG plot (two panels).
-A step processes 4 x 32 samples in every mode (one batch per replica), so the step axis
-compares the same data seen; the time axis compares cost.
+Runs `hivekeeper up` per configuration (the real roles: backbone, 4 trainers, monitor) for the
+same number of local steps: `gradients` (DeDLOC: every step is one synchronous step over 4
+batches), `parameters` / `ties` merging every N local steps, and `diloco` with H inner steps
+per outer step (float16 pseudo-gradients, outer Nesterov SGD 0.7 / 0.9), each `--repeat` times.
+The monitor evaluates the merged (or outer, or shared) model every few steps; we record the
+held-out metric against wall time and against steps, and the bytes each trainer sent in
+averaging rounds, merges or outer rounds (after compression; in mode gradients the gradient
+all-reduce and the parameter averaging that follows each step). A step processes 4 batches in
+every mode (one per replica), so the step axis compares the same samples seen. One table
+(mean and spread over the repeats), JSON, and a PNG plot (two panels).
 
-Anchor: the DDAP paper's qualitative findings (Asynchronous Training of Deep Learning
-Models, section 4): frequent merging approaches synchronous accuracy at lower communication
-cost, and TIES is at least as good as simple averaging (on its larger task).
+Anchors: DiLoCo (Douillard et al. 2023): matched synchronous training on C4 with 500 times less
+communication; the DDAP paper (section 4): frequent merging approaches synchronous accuracy at
+lower cost, TIES at least as good as simple averaging on its larger task.
 
-    .venv/bin/python bench/bench_merging.py [--steps 150] [--every 5 20]
-    .venv/bin/python bench/bench_merging.py --task lm --steps 100 --every 10   # the larger task
+    .venv/bin/python bench/bench_merging.py [--steps 150] [--every 10] [--inner 5 10 20] [--repeat 2]
+    .venv/bin/python bench/bench_merging.py --task lm --steps 100 --every 10 --inner 5 10 20
     .venv/bin/python bench/bench_merging.py [--task lm] --replot   # table and plot from the stored JSON
 """
 
@@ -35,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_results import RESULTS_DIR, write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-ANCHOR = ("DDAP (Asynchronous Training of Deep Learning Models), sec. 4: frequent merging approaches "
-          "synchronous accuracy at lower cost; TIES >= simple averaging on the larger task")
+ANCHOR = ("DiLoCo (Douillard et al. 2023): synchronous quality with 500x less communication; DDAP sec. 4: "
+          "frequent merging approaches synchronous accuracy at lower cost, TIES >= simple averaging")
+MB = 1e6
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ TASKS = {
 }
 
 
-def manifest(task: Task, mode: str, every: int | None, steps: int) -> dict:
+def manifest(task: Task, mode: str, every: int | None, steps: int, repeat: int = 0) -> dict:
     document = yaml.safe_load((REPO / "examples" / task.example).read_text())
     spec = document["spec"]
     spec["trainers"] = {"replicas": 4, "batchSize": task.batch_size}
@@ -67,13 +71,23 @@ def manifest(task: Task, mode: str, every: int | None, steps: int) -> dict:
     spec["monitor"] = {"evalEverySteps": 10, "checkpointEverySteps": 1000}
     averaging = {**spec.get("averaging", {}), "matchmakingSeconds": 2.0, "timeoutSeconds": 20, "mode": mode}
     averaging.pop("mergeEverySteps", None)
+    averaging.pop("compression", None)
     if mode == "gradients":
         spec["targetBatchSize"] = 4 * task.batch_size  # one step = every replica's batch
+        averaging["compression"] = "float16"
+    elif mode == "diloco":
+        averaging.update(innerSteps=every, compression="float16",
+                         outerOptimizer={"learningRate": 0.7, "momentum": 0.9, "nesterov": True})
     else:
         averaging["mergeEverySteps"] = every
     spec["averaging"] = averaging
-    document["metadata"]["name"] = f"bench-{mode}" + (f"-{every}" if every else "")
+    document["metadata"]["name"] = f"bench-{mode}" + (f"-{every}" if every else "") + f"-r{repeat}"
     return document
+
+
+def configuration(result: dict) -> str:
+    """The name that groups repeats: mode and its interval (H or merge steps)."""
+    return result["name"].rsplit("-r", 1)[0].removeprefix("bench-")
 
 
 def run(task: Task, config: dict, workdir: Path) -> dict:
@@ -87,17 +101,22 @@ def run(task: Task, config: dict, workdir: Path) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"{name}: hivekeeper up failed: {done.stderr[-2000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    curve, seen = [], set()
+    curve, seen, sent = [], set(), None
     for line in (run_dir / "history.jsonl").read_text().splitlines():
         entry = json.loads(line)
+        if entry.get("averagingBytesSentPerTrainer") and entry.get("globalStep"):
+            sent = (entry["averagingBytesSentPerTrainer"], entry["globalStep"])
         step, value = entry.get("evalStep"), (entry.get("evalMetrics") or {}).get(task.metric)
         if value is not None and step is not None and step >= 0 and step not in seen:
             seen.add(step)
             curve.append({"step": step, "seconds": entry["elapsedSeconds"], task.metric: value})
-    return {"name": name, "mode": config["spec"]["averaging"]["mode"],
-            "mergeEverySteps": config["spec"]["averaging"].get("mergeEverySteps"),
+    averaging = config["spec"]["averaging"]
+    return {"name": name, "configuration": configuration({"name": name}), "mode": averaging["mode"],
+            "every": averaging.get("mergeEverySteps") or averaging.get("innerSteps"),
             "final": summary["metrics"].get(task.metric), "wallSeconds": round(time.time() - started, 1),
-            "steps": summary["globalStep"], "curve": curve, **_rounds(run_dir)}
+            "steps": summary["globalStep"], "curve": curve,
+            # bytes a trainer sent per step, from the monitor's last reading of the trainers' reports
+            "bytesPerStep": round(sent[0] / sent[1]) if sent else None, **_rounds(run_dir)}
 
 
 def _rounds(run_dir: Path) -> dict:
@@ -116,25 +135,57 @@ def seconds_to(task: Task, curve: list[dict]) -> float | None:
     return next((p["seconds"] for p in curve if task.reached(p[task.metric])), None)
 
 
-def table(task: Task, results: list[dict], steps: int) -> str:
-    """The metric at half the steps (same data seen), at the wall time the fastest configuration
-    finished (same cost), the time to reach the task's target, and the final figures."""
+def table(task: Task, results: list[dict], steps: int) -> tuple[str, list[dict]]:
+    """Per configuration, over its repeats (mean, and +- half the range): the metric at half the
+    steps (same samples seen), the final metric, MB each trainer sent over `steps` steps, wall
+    time to the task's target and the failed merges. Returns the text and the rows."""
     half = steps // 2
-    finish = min(r["curve"][-1]["seconds"] for r in results)
     short = task.short
+    rows: list[dict] = []
+    for name in dict.fromkeys(r["configuration"] for r in results):
+        runs = [r for r in results if r["configuration"] == name]
+        rows.append({"configuration": name, "mode": runs[0]["mode"], "every": runs[0]["every"], "runs": len(runs),
+                     "atHalf": _spread([value_at(r["curve"], task.metric, "step", half) for r in runs]),
+                     "final": _spread([r["final"] for r in runs]),
+                     "mbPerTrainer": _spread([r["bytesPerStep"] * steps / MB if r.get("bytesPerStep") else None
+                                              for r in runs]),
+                     "secondsToTarget": _spread([seconds_to(task, r["curve"]) for r in runs]),
+                     "wallSeconds": _spread([r["wallSeconds"] for r in runs]),
+                     "failedMerges": sum(r["failedMerges"] for r in runs)})
 
-    def cell(value: float | None, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
-    header = (f"{'configuration':<22}{f'{short}@{half} steps':>16}{f'{short}@{finish:.1f} s':>14}"
-              f"{f's to {task.target:g}':>10}{f'final {short}':>12}{'steps':>7}{'wall s':>8}{'failed merges':>15}")
-    rows = [header] + [
-        f"{r['name']:<22}{cell(value_at(r['curve'], task.metric, 'step', half), '.4f'):>16}"
-        f"{cell(value_at(r['curve'], task.metric, 'seconds', finish), '.4f'):>14}"
-        f"{cell(seconds_to(task, r['curve']), '.1f'):>10}{cell(r['final'], '.4f'):>12}"
-        f"{r['steps']:>7}{r['wallSeconds']:>8.1f}{r['failedMerges']:>15}" for r in results]
-    notes = [f"{short}@{finish:.1f} s: held-out {task.metric} each had reached when the fastest finished (- : none "
-             "evaluated yet); wall s includes start-up and shutdown"]
-    return "\n".join(rows + notes)
+    def cell(value: dict | None, spec: str) -> str:
+        if value is None:
+            return "-"
+        text = format(value["mean"], spec)
+        return text + (f" ±{format(value['spread'], spec)}" if value["spread"] else "") + \
+            ("" if value["n"] == value["of"] else f" ({value['n']}/{value['of']})")
+    header = (f"{'configuration':<16}{'runs':>5}{f'{short}@{half} steps':>20}{f'final {short}':>20}"
+              f"{f'MB/trainer ({steps} st)':>24}{f's to {task.target:g}':>18}{'wall s':>16}{'failed merges':>15}")
+    lines = [header] + [
+        f"{row['configuration']:<16}{row['runs']:>5}{cell(row['atHalf'], '.3f'):>20}{cell(row['final'], '.3f'):>20}"
+        f"{cell(row['mbPerTrainer'], '.2f'):>24}{cell(row['secondsToTarget'], '.1f'):>18}"
+        f"{cell(row['wallSeconds'], '.0f'):>16}{row['failedMerges']:>15}" for row in rows]
+    lines.append("mean ±half the range over the runs; (k/n): only k of n runs had a value (reached the target); "
+                 "wall s includes start-up and shutdown")
+    sync = next((row for row in rows if row["mode"] == "gradients" and row["final"]), None)
+    if sync is not None:
+        for row in rows:
+            if row["mode"] != "gradients" and row["final"] and row["mbPerTrainer"] and sync["mbPerTrainer"]:
+                ratio = row["final"]["mean"] / sync["final"]["mean"]
+                row["finalVsGradients"] = round(ratio, 4)
+                row["bytesFewerThanGradients"] = round(sync["mbPerTrainer"]["mean"] / row["mbPerTrainer"]["mean"], 1)
+                lines.append(f"{row['configuration']}: final {short} {ratio:.3f}x gradients', "
+                             f"{row['bytesFewerThanGradients']}x fewer bytes")
+    return "\n".join(lines), rows
+
+
+def _spread(values: list) -> dict | None:
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    mean = sum(present) / len(present)
+    return {"mean": round(mean, 4), "spread": round((max(present) - min(present)) / 2, 4), "n": len(present),
+            "of": len(values), "values": present}
 
 
 def plot(task: Task, results: list[dict], path: Path) -> None:
@@ -145,11 +196,16 @@ def plot(task: Task, results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_time, by_step) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True, sharey=True)
-    fig.suptitle(f"Weight merging against synchronous gradient averaging ({task.example}, 4 peers)", fontsize=13)
-    styles = {"gradients": "-", "parameters": "--", "ties": ":"}
+    fig.suptitle(f"Weight merging and DiLoCo against synchronous gradient averaging ({task.example}, 4 peers)",
+                 fontsize=13)
+    styles = {"gradients": "-", "parameters": "--", "ties": ":", "diloco": "-."}
+    colors = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(r["configuration"] for r in results))}
+    labelled: set[str] = set()
     for result in results:
-        curve = result["curve"]
-        style = dict(linestyle=styles[result["mode"]], marker="o", markersize=3, label=result["name"])
+        curve, name = result["curve"], result["configuration"]
+        style = dict(linestyle=styles[result["mode"]], marker="o", markersize=3, color=colors[name],
+                     label=None if name in labelled else name, alpha=0.8)
+        labelled.add(name)
         by_time.plot([p["seconds"] for p in curve], [p[task.metric] for p in curve], **style)
         by_step.plot([p["step"] for p in curve], [p[task.metric] for p in curve], **style)
     by_time.set_xlabel("wall time since start (s)")
@@ -171,7 +227,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="digits")
     parser.add_argument("--steps", type=int, default=150, help="local optimizer steps per replica")
-    parser.add_argument("--every", type=int, nargs="+", default=[5, 20], help="merge frequencies (steps)")
+    parser.add_argument("--every", type=int, nargs="+", default=[10], help="merge frequencies (steps)")
+    parser.add_argument("--inner", type=int, nargs="+", default=[5, 10, 20], help="DiLoCo's H values")
+    parser.add_argument("--repeat", type=int, default=2, help="runs per configuration")
+    parser.add_argument("--modes", nargs="+", default=["gradients", "parameters", "ties", "diloco"],
+                        choices=["gradients", "parameters", "ties", "diloco"])
     parser.add_argument("--replot", action="store_true", help="print the table and plot from the stored JSON "
                                                               "without running anything")
     args = parser.parse_args()
@@ -179,21 +239,26 @@ def main() -> None:
     stored_path, plot_path = RESULTS_DIR / f"{task.results}.json", RESULTS_DIR / f"{task.results}.png"
     if args.replot:
         stored = json.loads(stored_path.read_text())
-        print(table(task, stored["results"], stored["steps"]))
+        print(table(task, stored["results"], stored["steps"])[0])
         plot(task, stored["results"], plot_path)
         return
-    configs = [manifest(task, "gradients", None, args.steps)]
-    configs += [manifest(task, mode, every, args.steps) for mode in ("parameters", "ties") for every in args.every]
+    intervals = {"gradients": [None], "parameters": args.every, "ties": args.every, "diloco": args.inner}
+    # repeats interleaved (round robin), so that a slow spell of the machine hits every configuration alike
+    configs = [manifest(task, mode, every, args.steps, repeat) for repeat in range(args.repeat)
+               for mode in args.modes for every in intervals[mode]]
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-merging-") as workdir:
         for config in configs:
             results.append(run(task, config, Path(workdir)))
-            print(f"  {results[-1]['name']}: {task.metric} {results[-1]['final']} in {results[-1]['wallSeconds']} s",
-                  flush=True)
-    print("\n" + table(task, results, args.steps))
+            last = results[-1]
+            print(f"  {last['name']}: {task.metric} {last['final']}, {last['bytesPerStep']} B/step/trainer, "
+                  f"{last['wallSeconds']} s", flush=True)
+    text, rows = table(task, results, args.steps)
+    print("\n" + text)
     plot_path.parent.mkdir(parents=True, exist_ok=True)
     plot(task, results, plot_path)
-    write_results(task.results, ANCHOR, task=args.task, metric=task.metric, steps=args.steps, results=results)
+    write_results(task.results, ANCHOR, task=args.task, metric=task.metric, steps=args.steps, summary=rows,
+                  results=results)
 
 
 if __name__ == "__main__":

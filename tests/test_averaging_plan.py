@@ -357,6 +357,25 @@ def test_command_prints_a_table(tmp_path, capsys):
     assert "this plan" in out and "allReduce" in out and "laptop (client)" in out
 
 
+def test_command_predicts_dilocos_outer_rounds_on_the_same_peers(tmp_path, capsys):
+    """Four replicas at 20 samples/s, batch 10, H = 50: 25 s computing per round (the slowest
+    sets the pace), then one all-reduce of the vector; overlapped, the round takes the longer."""
+    peers = [{"name": f"gpu-{k}", "samplesPerSecond": 20, "uploadMbps": 100, "downloadMbps": 100} for k in range(4)]
+    document = {"targetBatchSize": 2048, "numParameters": BIG_MODEL, "peers": peers,
+                "diloco": {"innerSteps": 50, "batchSize": 10}}
+    assert main(["plan", "averaging", "--input", write_input(tmp_path, document), "--json"]) == 0
+    rounds = json.loads(capsys.readouterr().out)["outerRounds"]
+    all_reduce = 2 * 3 / 4 * BIG_MODEL * 4 * 8 / 100e6  # each peer moves 2(n-1)/n vectors over 100 Mbit/s
+    assert rounds["computeSeconds"] == pytest.approx(25.0)
+    assert rounds["averagingSeconds"] == pytest.approx(all_reduce, rel=1e-6)
+    assert rounds["samplesPerSecond"] == pytest.approx(4 * 500 / (25.0 + all_reduce))
+    assert rounds["bytesPerReplicaPerRound"] == pytest.approx(1.5 * BIG_MODEL * 4)
+    document["diloco"]["overlap"] = True
+    assert main(["plan", "averaging", "--input", write_input(tmp_path, document)]) == 0
+    out = capsys.readouterr().out
+    assert "an outer round every 50 inner steps" in out and f"{max(25.0, all_reduce):.3g} s a round" in out
+
+
 def test_command_prints_plain_columns_for_a_large_swarm(tmp_path, capsys):
     many = {**BYTEPS_INPUT, "peers": [*BYTEPS_INPUT["peers"], *(
         {"name": f"edge-{k}", "samplesPerSecond": 1 + k % 7, "uploadMbps": 10 + k, "downloadMbps": 40}

@@ -47,7 +47,7 @@ BAD = [
     ({"spec": {"task": {"options": {"hiddenSise": 3}}}}, "spec.task.options.hiddenSise: unknown field"),
     ({"spec": {"stopping": {"targetSteps": None, "targetMetric": None}}}, "set targetSteps and/or targetMetric"),
     ({"metadata": {"name": "Digits_1"}}, "metadata.name: must be lowercase"),
-    ({"spec": {"averaging": {"mode": "merge"}}}, "spec.averaging.mode: Input should be 'gradients', 'parameters' or"),
+    ({"spec": {"averaging": {"mode": "merge"}}}, "spec.averaging.mode: Input should be 'gradients', 'parameters', 'ties' or 'diloco'"),
     ({"spec": {"averaging": {"mergeEverySteps": 5}}}, "mergeEverySteps: only for mode parameters or ties"),
     ({"spec": {"averaging": {"mode": "parameters", "trim": 0.2}}}, "trim: only for mode ties"),
     ({"spec": {"averaging": {"mode": "ties", "mergeEverySteps": 5, "shiftEverySteps": 5}}},

@@ -474,7 +474,7 @@ def test_completed_run_shows_the_monitors_final_figures(cluster, client, start_o
 
     job = cluster.object(JOBS, NS, "digits-monitor")
     final = {"globalStep": 45, "reason": "target accuracy reached", "metrics": {"accuracy": 0.969},
-             "losses": {"44": 0.2, "45": 0.18}}
+             "losses": {"44": 0.2, "45": 0.18}, "outerSteps": 9}
     Kube(client).create({  # what the Job controller and the kubelet would have made of the monitor's pod
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": "digits-monitor-x7k2p", "namespace": NS,
@@ -493,6 +493,7 @@ def test_completed_run_shows_the_monitors_final_figures(cluster, client, start_o
                     and s["status"].get("globalStep") == 45 and s, what="the final figures")
     status = done["status"]
     assert status["evalMetrics"] == {"accuracy": 0.969} and status["loss"] == 0.18
+    assert status["outerSteps"] == 9  # replicas that train alone: their outer steps (or merges)
     assert status["samplesPerSecond"] == 412.6  # the last live reading's, the report has none
     time.sleep(1.0)  # several more resyncs: the final figures stay
     assert swarm(cluster)["status"]["globalStep"] == 45

@@ -1,6 +1,6 @@
-"""`hivekeeper up` with replicas that merge weights (averaging.mode ties): it trains, the
-replicas merge, a crashed trainer comes back from the merged state, and the monitor
-evaluates the merged model."""
+"""`hivekeeper up` with replicas that train alone (averaging.mode ties, diloco): it trains, the
+replicas merge (or take outer steps), a crashed trainer comes back from the merged (outer)
+state, and the monitor evaluates the merged (outer) model."""
 
 from __future__ import annotations
 
@@ -29,11 +29,16 @@ def log_records(run_dir: Path, name: str) -> list[dict]:
     return records
 
 
+DILOCO = {"mode": "diloco", "innerSteps": 10, "compression": "float16", "mergeEverySteps": None}
+
+
 @pytest.mark.swarm
 @pytest.mark.timeout(300)
-def test_up_merges_replicas_and_a_restarted_one_joins_from_the_merged_state(tmp_path, no_leaked_p2pd):
+@pytest.mark.parametrize("averaging", [{}, DILOCO], ids=["ties", "diloco"])
+def test_up_merges_replicas_and_a_restarted_one_joins_from_the_merged_state(tmp_path, no_leaked_p2pd, averaging):
     run_dir = tmp_path / "run"
-    runner = start_up(write_manifest(tmp_path, MERGING, base="swarm-digits-ties.yaml"), run_dir)
+    manifest = {"spec": {**MERGING["spec"], "averaging": {**MERGING["spec"]["averaging"], **averaging}}}
+    runner = start_up(write_manifest(tmp_path, manifest, base="swarm-digits-ties.yaml"), run_dir)
     try:
         wait_for(lambda: global_step(run_dir) >= 20, 150, "twenty local steps")
         crash_trainer(run_dir, 1)
@@ -58,4 +63,6 @@ def test_up_merges_replicas_and_a_restarted_one_joins_from_the_merged_state(tmp_
     history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
     merges = [e["lastRound"] for e in history if e.get("lastRound")]
     assert any(m["outcome"] == "success" and m["groupSize"] == 2 for m in merges)
+    assert history[-1]["outerSteps"] >= 4  # merges, or outer steps: one every 10 local steps
+    assert history[-1]["averagingBytesSentPerTrainer"] > 0
     assert not processes_of(run_dir)

@@ -49,7 +49,7 @@ MESSAGE_LIMIT = 4096  # bytes of a termination message the kubelet keeps
 
 def final_report_message(result: dict[str, Any]) -> str:
     """A role's result.json, cut to the figures a status shows (its loss curve would not fit)."""
-    report: dict[str, Any] = {k: result[k] for k in ("globalStep", "reason", "metrics") if k in result}
+    report: dict[str, Any] = {k: result[k] for k in ("globalStep", "reason", "metrics", "outerSteps") if k in result}
     if isinstance(report.get("reason"), str):
         report["reason"] = report["reason"][:200]
     losses = result.get("losses") if isinstance(result.get("losses"), dict) else {}
@@ -58,7 +58,7 @@ def final_report_message(result: dict[str, Any]) -> str:
         report["loss"], report["lossStep"] = losses[str(max(steps))], max(steps)
     text = json.dumps({FINAL_REPORT: report}, separators=(",", ":"))
     if len(text.encode()) > MESSAGE_LIMIT:  # many metrics: keep the step and the loss
-        text = json.dumps({FINAL_REPORT: {k: v for k, v in report.items() if k in ("globalStep", "loss", "lossStep")}})
+        text = json.dumps({FINAL_REPORT: {k: v for k, v in report.items() if k in ("globalStep", "loss", "lossStep", "outerSteps")}})
     return text
 
 

@@ -157,8 +157,8 @@ def model_figures(kind: str, reading: dict[str, Any] | None, previous: dict[str,
 def monitor_figures(kind: str, reading: dict[str, Any] | None, previous: dict[str, Any], now: str) -> dict[str, Any]:
     """A Swarm monitor's /status, rounded (a status write per digit would be churn), with the
     balancer's planned rate; the last reading stays while the monitor does not answer."""
-    keys = ("globalStep", "samplesPerSecond", "stepsPerSecond", "plannedStepsPerSecond", "loss", "evalMetrics",
-            "peersAlive")
+    keys = ("globalStep", "samplesPerSecond", "stepsPerSecond", "plannedStepsPerSecond", "outerSteps", "loss",
+            "evalMetrics", "peersAlive")
     if not reading:
         return {k: previous[k] for k in keys + ("lastMonitorUpdate",) if k in previous}
 
@@ -166,8 +166,9 @@ def monitor_figures(kind: str, reading: dict[str, Any] | None, previous: dict[st
         return isinstance(value, (int, float)) and not isinstance(value, bool)
 
     figures: dict[str, Any] = {}
-    if isinstance(reading.get("globalStep"), int):
-        figures["globalStep"] = max(0, reading["globalStep"])
+    for key in ("globalStep", "outerSteps"):
+        if isinstance(reading.get(key), int) and not isinstance(reading[key], bool):
+            figures[key] = max(0, reading[key])
     planned = (reading.get("plan") or {}).get("stepsPerSecond") if isinstance(reading.get("plan"), dict) else None
     for key, value, digits in (("samplesPerSecond", reading.get("samplesPerSecond"), 1),
                                ("stepsPerSecond", reading.get("stepsPerSecond"), 4),
@@ -191,7 +192,7 @@ FIGURES: dict[str, Figures] = {"Swarm": monitor_figures}  # every other kind: mo
 def report_reading(report: dict[str, Any]) -> dict[str, Any]:
     """A finished role's final report (`readers.final_report_of`) as a reading."""
     reading = {"step": report.get("globalStep"), "globalStep": report.get("globalStep"),
-               "evalMetrics": report.get("metrics"), "loss": report.get("loss")}
+               "evalMetrics": report.get("metrics"), "loss": report.get("loss"), "outerSteps": report.get("outerSteps")}
     return {k: v for k, v in reading.items() if v is not None}
 
 

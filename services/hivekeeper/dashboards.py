@@ -130,7 +130,8 @@ SWARM_OVERVIEW = Dashboard(
 AVERAGING = Dashboard(
     uid="hivekeeper-averaging", title="hivekeeper / Averaging rounds",
     description="Gradient averaging: how long rounds take, how they end, who moves how many bytes, "
-                "and the balancer's plan against what the swarm achieves.",
+                "and the balancer's plan against what the swarm achieves; with replicas that train alone, "
+                "their merges or DiLoCo's outer rounds.",
     panels=(
         Panel("Round duration", tuple(
             Target(f"histogram_quantile({q}, sum by (le) (rate(hivekeeper_averaging_round_duration_seconds_bucket"
@@ -159,6 +160,15 @@ AVERAGING = Dashboard(
                                      "aggregation"))),
         Panel("Plan age", (Target(f"time() - max(hivekeeper_plan_last_update_timestamp_seconds * {BALANCER})",
                                   "seconds since the last plan"),), unit="s", kind="stat"),
+        Panel("Outer steps (DiLoCo) and merges by replica",
+              (Target(f"hivekeeper_outer_step * {identity('swarm, peer', role='trainer')}", "{{peer}}"),),
+              description="replicas that train alone (averaging.mode diloco, parameters, ties): outer steps or "
+                          "merges each has taken; replicas that agree on the outer state show one line"),
+        Panel("Inner steps per outer step",
+              (Target(f"max by (swarm) (hivekeeper_local_step * {identity('swarm', role='trainer')}) / "
+                      f"clamp_min(max by (swarm) (hivekeeper_outer_step * {identity('swarm', role='trainer')}), 1)",
+                      "{{swarm}}"),),
+              description="DiLoCo: local optimizer steps between outer rounds (its H, higher when rounds fail)"),
     ),
 )
 

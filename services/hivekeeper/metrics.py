@@ -33,6 +33,8 @@ class SwarmMetrics:
         self.local_step = gauge("hivekeeper_local_step", "Optimizer steps (epochs) this peer has taken")
         self.global_step = gauge("hivekeeper_global_step", "Latest global optimizer step in the collaboration")
         self.loss = gauge("hivekeeper_loss", "Mean training loss of this peer's latest step")
+        self.outer_step = gauge("hivekeeper_outer_step",
+                                "Outer steps this replica has taken (DiLoCo; merges in the other merging modes)")
         self.averaging_rounds = counter(
             "hivekeeper_averaging_rounds", "Gradient averaging rounds by outcome", "outcome")
         for outcome in ("success", "failure", "skipped"):

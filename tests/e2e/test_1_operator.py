@@ -92,7 +92,7 @@ def test_the_api_server_refuses_a_bad_manifest_at_apply(cluster: Cluster, releas
     assert validate.returncode == 2, validate
 
 
-@pytest.mark.parametrize("name", [SWARM, "swarm-digits-ties.yaml", BLOCKSERVER, EXPERTPOOL])
+@pytest.mark.parametrize("name", [SWARM, "swarm-digits-ties.yaml", "swarm-lm-diloco.yaml", BLOCKSERVER, EXPERTPOOL])
 def test_the_api_server_stores_what_the_models_fill_in(cluster: Cluster, release: str, name: str):
     """The object the API server would store holds every default, exactly as `stored` (which the
     unit tests check the models against) fills them in."""

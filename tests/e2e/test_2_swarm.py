@@ -149,3 +149,31 @@ def test_swarm_from_apply_to_succeeded(cluster: Cluster, release: str):
     cluster.kubectl("delete", "swarm", NAME, "-n", NAMESPACE, "--wait=true", timeout=180)
     wait_for(lambda: not children(cluster) and not cluster.pods(SELECTOR), 180,
              "the garbage collector to take every child")
+
+
+def test_a_diloco_swarm_takes_outer_steps_in_pods(cluster: Cluster, release: str):
+    """averaging.mode diloco from `kubectl apply`: the trainers' pods take outer steps together,
+    the Swarm's status counts them, and the monitor evaluates the outer model to the end."""
+    name = "digits-diloco"
+    selector = f"hivekeeper.dev/swarm={name}"
+    document = example("swarm-digits-ties.yaml", {
+        "metadata": {"name": name},
+        "spec": {"trainers": {"replicas": 2, "resources": SMALL},
+                 "averaging": {"mode": "diloco", "innerSteps": 5, "compression": "float16"},
+                 "monitor": {"evalEverySteps": 10, "checkpointEverySteps": 1000},
+                 "stopping": {"targetSteps": 40}}})
+    del document["spec"]["averaging"]["mergeEverySteps"], document["spec"]["stopping"]["targetMetric"]
+    cluster.apply(document)
+    try:
+        final = wait_for(lambda: (s := cluster.status("swarm", name)).get("phase") == "Succeeded" and s, 600,
+                         "the DiLoCo Swarm to succeed", interval=3)
+        assert final["outerSteps"] >= 4, final  # one every 5 inner steps, 2 replicas together
+        monitor = [p for p in cluster.pods(f"{selector},hivekeeper.dev/component=monitor")]
+        report = logged_entry(cluster.logs(monitor[0]["metadata"]["name"]), "run finished")
+        assert report and report["globalStep"] >= 40 and report["metrics"]["accuracy"] > 0.5, report
+        assert final["evalMetrics"]["accuracy"] == pytest.approx(report["metrics"]["accuracy"])
+    except AssertionError:
+        print(cluster.describe_failure())
+        raise
+    finally:
+        cluster.kubectl("delete", "swarm", name, "-n", NAMESPACE, "--wait=true", timeout=180)

@@ -31,7 +31,7 @@ from hivekeeper.hivemind_ext import check_hivemind_version
 
 check_hivemind_version(__name__)
 
-__all__ = ["Group", "abandon_on_failure", "add_averages", "bandwidth_split", "start_runner"]
+__all__ = ["Group", "abandon_on_failure", "add_averages", "bandwidth_split", "bytes_sent", "start_runner"]
 
 @dataclass(frozen=True)
 class Group:
@@ -104,3 +104,12 @@ def abandon_on_failure(report: Callable[[Exception], None],
         if isinstance(e, Exception):
             report(e)
         raise MatchmakingException(message(e)) from e
+
+
+def bytes_sent(averager: DecentralizedAverager, info: GroupInfo, elements: int, peer_fractions: Sequence[int],
+               wire_bytes_per_element: float) -> float:
+    """What this member sends in one butterfly round of `elements` (every member a sender): its
+    vector less the part it reduces, then that part's average to each other member."""
+    total = sum(peer_fractions) or 1
+    own = peer_fractions[info.peer_ids.index(averager.peer_id)] * elements / total
+    return (elements - own + own * (len(info.peer_ids) - 1)) * wire_bytes_per_element

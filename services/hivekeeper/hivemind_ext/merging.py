@@ -27,6 +27,12 @@ is its vote, and the aggregators take the robust mean over each coordinate's vot
 never averaged, so no rounding can touch them. A member's huge offsets then move each part of
 the merge by at most the clipping radius per iteration, and in round 2 only where it voted.
 Members must agree on the aggregation (it is in the gathered data): round 2's tensors differ.
+
+DiLoCo's outer round (`kind="diloco"`) is one all-or-nothing round like SIMPLE, over the members'
+pseudo-gradients, with two differences: the codec may be lossy (float16 or 8-bit: pseudo-gradients
+are not a merge that must be exact), and the mean is weighted by each member's step weight (the
+inner steps it took since its last outer step). Every kind counts the bytes its rounds put on the
+wire (`sent_bytes`, as `CountingGradientAverager` does for gradients).
 """
 
 from __future__ import annotations
@@ -49,16 +55,16 @@ from hivemind.compression import CompressionInfo
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from hivekeeper.hivemind_ext import check_hivemind_version
-from hivekeeper.hivemind_ext.group_round import Group, abandon_on_failure, bandwidth_split, start_runner
+from hivekeeper.hivemind_ext.group_round import Group, abandon_on_failure, bandwidth_split, bytes_sent, start_runner
 from hivekeeper.hivemind_ext.robust import CenteredClip, robust_runner
 
 check_hivemind_version(__name__)
 
-__all__ = ["AllOrNothingRunner", "MergingAverager", "SIMPLE", "TIES", "agreeing_offsets", "disjoint_mean"]
+__all__ = ["AllOrNothingRunner", "DILOCO", "MergingAverager", "SIMPLE", "TIES", "agreeing_offsets", "disjoint_mean"]
 
 log = logging.getLogger("hivekeeper.merging")
 
-TIES, SIMPLE = "ties", "simple"
+TIES, SIMPLE, DILOCO = "ties", "simple", "diloco"
 _ROUND_2 = b".ties-round-2"  # group id suffix of TIES's second all-reduce
 _ATTEMPTS, _ROUNDS_OK, _GROUP_SIZE = range(3)  # fields of the child's report on its last attempt
 
@@ -130,14 +136,19 @@ class MergingAverager(DecentralizedAverager):
     runner_class: type[AllReduceRunner] = AllOrNothingRunner
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, kind: str,
-                 aggregation: Optional[CenteredClip] = None, **kwargs: Any):
-        if kind not in (TIES, SIMPLE):
-            raise ValueError(f"kind must be {TIES!r} or {SIMPLE!r}, got {kind!r}")
-        if kwargs.get("compression") is not None or kwargs.get("auxiliary"):
-            raise ValueError("merges must be exact: no compression, and no auxiliary peers (they send nothing)")
+                 aggregation: Optional[CenteredClip] = None, wire_bytes_per_element: float = 4.0, **kwargs: Any):
+        if kind not in (TIES, SIMPLE, DILOCO):
+            raise ValueError(f"kind must be {TIES!r}, {SIMPLE!r} or {DILOCO!r}, got {kind!r}")
+        if kwargs.get("auxiliary"):
+            raise ValueError("no auxiliary peers in merges: they send nothing")
+        if kwargs.get("compression") is not None and kind != DILOCO:
+            raise ValueError("merges must be exact: no compression (DiLoCo's pseudo-gradients may be compressed)")
         self.kind = kind
         self.aggregation = aggregation  # None: plain means
-        self._report = mp.get_context("fork").Array(ctypes.c_long, 3)  # before the fork in super().__init__
+        self.wire_bytes_per_element = wire_bytes_per_element
+        context = mp.get_context("fork")  # shared with the child super().__init__ forks
+        self._report = context.Array(ctypes.c_long, 3)
+        self.sent_bytes = context.Value("d", 0.0)  # tensor bytes this peer sent in rounds (after compression)
         self._shared_state: Optional[tuple[dict[str, Any], list[torch.Tensor]]] = None
         super().__init__(averaged_tensors, dht, **kwargs)
 
@@ -145,6 +156,11 @@ class MergingAverager(DecentralizedAverager):
         """What other peers' `load_state_from_peers` downloads from this one (the averaged
         tensors are only the merge's working buffer, so they are never shared)."""
         self._shared_state = (dict(metadata), [tensor.detach().clone() for tensor in tensors])
+
+    def update_shared_metadata(self, **fields: Any) -> None:
+        """Change fields of the shared metadata (a live step count) without copying the tensors."""
+        if self._shared_state is not None:
+            self._shared_state[0].update(fields)
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Sequence[Any]]:
         if self._shared_state is None:
@@ -196,8 +212,9 @@ class MergingAverager(DecentralizedAverager):
             if any(entry != gathered[0] for entry in gathered) or not isinstance(gathered[0], dict):
                 raise MatchmakingException(f"members disagree on the merge (kind, trim, layout or base): {gathered}")
             fractions = await bandwidth_split(self, group, min_vector_size)
-            kwargs.pop("tensor_infos", None)  # round 2's tensors differ; no compression anyway
-            kwargs["weight"] = 1.0  # plain means: the counts in round 2 rely on it
+            kwargs.pop("tensor_infos", None)  # round 2's tensors differ; DiLoCo's codec needs none
+            if self.kind != DILOCO:
+                kwargs["weight"] = 1.0  # plain means: the counts in round 2 rely on it
             async with enter_asynchronously(self.get_tensors()) as inputs:
                 result = [tensor.clone() for tensor in inputs]
                 await self._run_round(result, group_info, group_info.group_id, fractions, self.aggregation,
@@ -231,6 +248,10 @@ class MergingAverager(DecentralizedAverager):
                               **kwargs)
         async for tensor, update in azip(as_aiter(*tensors), runner):
             tensor.add_(update)
+        outbound = bytes_sent(self, group_info, sum(t.numel() for t in tensors), peer_fractions,
+                              self.wire_bytes_per_element)
+        with self.sent_bytes.get_lock():
+            self.sent_bytes.value += outbound
         failed = runner.tensor_part_container.failed_size
         if failed or getattr(runner, "voided", False):
             raise AllreduceException(f"round incomplete: {failed} elements never averaged, "

@@ -12,6 +12,7 @@ aggregation comes with the gradient averager's factory).
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import time
 from typing import Any, Optional, Sequence
 
@@ -24,7 +25,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 
 from hivekeeper.hivemind_ext import check_hivemind_version
 from hivekeeper.hivemind_ext.allreduce import CountingGradientAverager
-from hivekeeper.hivemind_ext.group_round import add_averages, start_runner
+from hivekeeper.hivemind_ext.group_round import add_averages, bytes_sent, start_runner
 from hivekeeper.hivemind_ext.robust import CenteredClip, robust_runner
 from hivekeeper.metrics import SwarmMetrics
 
@@ -68,6 +69,7 @@ class FiniteStateAverager(TrainingStateAverager):
 
     def __init__(self, *args: Any, aggregation: Optional[CenteredClip] = None, **kwargs: Any):
         self._aggregation = aggregation  # set before super().__init__ forks the averager's process
+        self.sent_bytes = mp.get_context("fork").Value("d", 0.0)  # parameter-averaging bytes sent (uncompressed)
         super().__init__(*args, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
@@ -78,6 +80,10 @@ class FiniteStateAverager(TrainingStateAverager):
             runner_class, kwargs = robust_runner(AllReduceRunner), dict(kwargs, aggregation=self._aggregation)
         runner = start_runner(self, tensors, group_info, group_id, runner_class, **kwargs)
         await add_averages(self, runner, tensors, group_info)
+        if kwargs.get("peer_fractions") and self.mode != AveragingMode.AUX:
+            with self.sent_bytes.get_lock():
+                self.sent_bytes.value += bytes_sent(self, group_info, sum(t.numel() for t in tensors),
+                                                    kwargs["peer_fractions"], 4.0)
 
     def _apply_averaging_results_(self):
         with self.get_tensors() as averaged:
@@ -212,6 +218,13 @@ class InstrumentedOptimizer(hivemind.Optimizer):
         self.last_round = {"outcome": outcome, "groupSize": group_size, "seconds": round(seconds, 4), "epoch": epoch,
                            "time": time.time(), "members": list(members) or [str(self.dht.peer_id)]}
         self.sync_byte_counters()
+
+    @property
+    def sent_bytes(self) -> float:
+        """Tensor bytes this peer sent averaging gradients and (uncompressed) parameters."""
+        grads = self.grad_averager.sent_bytes.value if isinstance(self.grad_averager, CountingGradientAverager) else 0.0
+        state = getattr(self.state_averager, "sent_bytes", None)
+        return grads + (state.value if state is not None else 0.0)
 
     def sync_byte_counters(self) -> None:
         averager = self.grad_averager

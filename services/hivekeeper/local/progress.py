@@ -89,6 +89,7 @@ class ProgressView:
             f"[{elapsed:5.0f}s] step {status['globalStep']}{self._of_target()}  loss {_fmt(status.get('loss'), '.4f')}  "
             f"{status.get('samplesPerSecond', 0):.0f} samples/s  peers {sum(peers.values())}  "
             f"eval@{status.get('evalStep')} {evals or '-'}  restarts {self.supervisor.restarts}"
+            + (f"  outer steps {status['outerSteps']}" if status.get("outerSteps") is not None else "")
             + (f"  plan {status['plan']['stepsPerSecond']:.3f} steps/s" if status.get("plan") else "")
         )
 
@@ -111,6 +112,10 @@ class ProgressView:
             summary.add_row("samples/s", f"{status.get('samplesPerSecond', 0):.0f} (whole collaboration)")
             summary.add_row("peers alive", ", ".join(f"{n} {r}" for r, n in sorted(status.get("peersAlive", {}).items())))
             summary.add_row("last averaging", describe_round(status.get("lastRound")))
+            if status.get("outerSteps") is not None:  # replicas that train alone
+                summary.add_row("outer steps / merges", str(status["outerSteps"]))
+            if status.get("averagingBytesSentPerTrainer") is not None:
+                summary.add_row("sent per trainer", f"{status['averagingBytesSentPerTrainer'] / 1e6:.1f} MB")
             summary.add_row("averaging plan", describe_plan(status.get("plan"), status.get("stepsPerSecond")))
             evals = ", ".join(f"{k} {v:.4f}" for k, v in (status.get("evalMetrics") or {}).items())
             summary.add_row("held-out", f"{evals or '-'} (step {status.get('evalStep')})")

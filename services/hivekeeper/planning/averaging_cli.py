@@ -4,7 +4,7 @@ described in a YAML or JSON file, against all-reduce and a parameter server."""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 from pydantic import Field
 from rich.console import Console
@@ -29,6 +29,14 @@ class PeerInput(SpecModel):
     client_mode: bool = False
 
 
+class DilocoInput(SpecModel):
+    """Replicas that take DiLoCo outer steps (averaging.mode diloco) instead of gradient rounds."""
+
+    inner_steps: int = Field(ge=1, description="H: local steps between outer rounds")
+    batch_size: int = Field(ge=1, description="each replica's local batch")
+    overlap: bool = Field(False, description="the outer all-reduce runs during the next inner steps")
+
+
 class AveragingInput(SpecModel):
     target_batch_size: int = Field(gt=0)
     num_parameters: int = Field(gt=0)
@@ -36,6 +44,7 @@ class AveragingInput(SpecModel):
     failure_probability: float = Field(default=0.0, ge=0, lt=1)  # per peer and attempt (group size)
     peers: list[PeerInput] = Field(min_length=1)
     links: dict[str, dict[str, Mbps]] = Field(default_factory=dict)
+    diloco: Optional[DilocoInput] = None  # also predict DiLoCo's outer rounds on these peers
 
 
 def _load(path: str) -> AveragingInput:
@@ -114,6 +123,33 @@ def _print_table(spec: AveragingInput, report: dict[str, Any]) -> None:
                   f"solved by {report['method']} in {report['solveSeconds'] * 1e3:.1f} ms")
 
 
+def outer_rounds(spec: AveragingInput, problem: AveragingProblem, plan: AveragingPlan) -> dict[str, Any]:
+    """DiLoCo on the same peers: every computing peer is a replica; at each boundary the replicas
+    wait for the slowest one's H steps, then all-reduce one vector (hivemind's split, about equal
+    shares: the all-reduce baseline's time), after the inner steps or, with overlap, during them."""
+    diloco = spec.diloco
+    rates = [peer.samples_per_second for peer in spec.peers if peer.samples_per_second > 0]
+    compute = diloco.inner_steps * diloco.batch_size / min(rates)
+    all_reduce = all_reduce_baseline(problem)
+    averaging = 0.0 if len(rates) == 1 else all_reduce.averaging_seconds
+    seconds = max(compute, averaging) if diloco.overlap else compute + averaging
+    samples = len(rates) * diloco.inner_steps * diloco.batch_size / seconds
+    n = len(spec.peers)
+    return {"innerSteps": diloco.inner_steps, "replicas": len(rates), "computeSeconds": compute,
+            "averagingSeconds": averaging, "secondsPerOuterRound": seconds, "samplesPerSecond": samples,
+            "gradientModeSamplesPerSecond": plan.steps_per_second * spec.target_batch_size,
+            "bytesPerReplicaPerRound": 2 * (n - 1) / n * spec.num_parameters * spec.bytes_per_parameter}
+
+
+def _print_outer_rounds(rounds: dict[str, Any]) -> None:
+    Console().print(
+        f"DiLoCo: {rounds['replicas']} replicas, an outer round every {rounds['innerSteps']} inner steps: "
+        f"{rounds['computeSeconds']:.3g} s computing + {rounds['averagingSeconds']:.3g} s averaging "
+        f"-> {rounds['secondsPerOuterRound']:.3g} s a round, {rounds['samplesPerSecond']:.4g} samples/s "
+        f"(gradient averaging under this plan: {rounds['gradientModeSamplesPerSecond']:.4g}); "
+        f"{rounds['bytesPerReplicaPerRound'] / 1e6:.3g} MB sent per replica a round", highlight=False)
+
+
 def run_plan_averaging(input_path: str, as_json: bool) -> int:
     spec = _load(input_path)
     problem = AveragingProblem(
@@ -125,8 +161,12 @@ def run_plan_averaging(input_path: str, as_json: bool) -> int:
     baselines = {"allReduce": all_reduce_baseline(problem), "parameterServer": parameter_server_baseline(problem)}
     group_size = optimal_group_size(len(spec.peers), spec.failure_probability)
     report = _report(spec, plan, group_size, baselines)
+    if spec.diloco is not None:
+        report["outerRounds"] = outer_rounds(spec, problem, plan)
     if as_json:
         print(json.dumps(report, indent=2))
     else:
         _print_table(spec, report)
+        if spec.diloco is not None:
+            _print_outer_rounds(report["outerRounds"])
     return 0

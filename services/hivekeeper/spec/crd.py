@@ -93,6 +93,8 @@ class SwarmStatus(ResourceStatus):
     steps_per_second: Optional[float] = Field(None, ge=0, description="optimizer steps/s over the last minute (monitor)")
     planned_steps_per_second: Optional[float] = Field(
         None, ge=0, description="steps/s the balancer's current averaging plan predicts")
+    outer_steps: Optional[int] = Field(
+        None, ge=0, description="replicas that train alone: DiLoCo outer steps (merges in modes parameters, ties)")
     loss: Optional[float] = None
     eval_metrics: dict[str, float] = Field(default_factory=dict, description="latest held-out metrics")
     last_monitor_update: Optional[str] = Field(None, description="RFC 3339 time of the last monitor reading")

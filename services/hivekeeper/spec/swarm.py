@@ -23,6 +23,9 @@ CompressionName = Literal["none", "float16", "uniform8bit", "blockwise8bit"]
 # at hand a round fails and each peer steps on its own gradients, which no one else can move.
 ROBUST_MIN_GROUP_SIZE = 3
 MERGE_EVERY_STEPS = 10  # replicas merge this often unless mergeEverySteps or mergeEveryEpochs says otherwise
+DILOCO_INNER_STEPS = 20  # DiLoCo's H unless innerSteps says otherwise
+MERGE_ONLY_FIELDS = ("merge_every_steps", "merge_every_epochs", "merge_optimizer_state", "shift_every_steps")
+DILOCO_ONLY_FIELDS = ("inner_steps", "outer_optimizer", "overlap_outer_round")
 
 
 class BandwidthLimits(SpecModel):
@@ -72,6 +75,18 @@ class CenteredClipSpec(SpecModel):
     iterations: int = Field(3, ge=1, le=50, description="clipping iterations per part")
 
 
+class OuterOptimizerSpec(SpecModel):
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum on the averaged pseudo-gradient."""
+
+    learning_rate: float = Field(0.7, gt=0, le=10, description="outer learning rate (DiLoCo: 0.7)")
+    momentum: float = Field(0.9, ge=0, lt=1, description="outer momentum (DiLoCo: 0.9)")
+    nesterov: StrictBool = Field(True, description="Nesterov momentum (DiLoCo's choice); false: heavy ball")
+
+
+_OUTER_DEFAULTS = tuple((info.alias or name, str(info.default).lower())
+                        for name, info in OuterOptimizerSpec.model_fields.items())
+
+
 class AveragingSpec(SpecModel):
     matchmaking_seconds: float = Field(2.0, gt=0, description="time to gather a group before each round")
     timeout_seconds: float = Field(30.0, gt=0, description="give up on a round after this long")
@@ -86,10 +101,19 @@ class AveragingSpec(SpecModel):
     peer_failure_probability: float = Field(
         0.0, ge=0, lt=1, description="chance that a peer fails a round, for the default group size")
     average_state_every: int = Field(1, ge=1, description="also average parameters every N steps")
-    mode: Literal["gradients", "parameters", "ties"] = Field(
+    mode: Literal["gradients", "parameters", "ties", "diloco"] = Field(
         "gradients", description="gradients: DeDLOC's synchronous large-batch steps; parameters: replicas train "
                                  "alone and average weights (and optimizer state) every mergeEvery steps; "
-                                 "ties: the same with a TIES merge")
+                                 "ties: the same with a TIES merge; diloco: replicas take innerSteps local "
+                                 "steps, then one outer step on the averaged pseudo-gradient (DiLoCo)")
+    inner_steps: Optional[int] = Field(
+        None, ge=1, description=f"diloco: local (inner) optimizer steps between outer steps, DiLoCo's H "
+                                f"(default {DILOCO_INNER_STEPS})")
+    outer_optimizer: OuterOptimizerSpec = Field(default_factory=OuterOptimizerSpec,
+                                                description="diloco: the outer optimizer")
+    overlap_outer_round: StrictBool = Field(
+        False, description="diloco: run the outer all-reduce in the background while the next inner steps go on, "
+                           "and apply it when it ends (one round late, as Streaming DiLoCo overlaps)")
     merge_every_steps: Optional[int] = Field(
         None, ge=1, description=f"merge after this many local optimizer steps (parameters, ties; default "
                                 f"{MERGE_EVERY_STEPS})")
@@ -103,13 +127,28 @@ class AveragingSpec(SpecModel):
 
     @property
     def merges_weights(self) -> bool:
+        """Replicas train alone and combine weights (or pseudo-gradients) now and then."""
         return self.mode != "gradients"
 
+    @property
+    def shares_optimizer_state(self) -> bool:
+        """Optimizer moments travel with the weights (merging modes; DiLoCo keeps inner state local)."""
+        return self.mode in ("parameters", "ties") and self.merge_optimizer_state
+
     cel_rules = (
-        *(CelRule(f"self.mode != 'gradients' || !has(self.{name})", "only for mode parameters or ties", f".{name}")
+        *(CelRule(f"self.mode == 'parameters' || self.mode == 'ties' || !has(self.{name})",
+                  "only for mode parameters or ties", f".{name}")
           for name in ("mergeEverySteps", "mergeEveryEpochs", "shiftEverySteps")),
-        CelRule("self.mode != 'gradients' || self.mergeOptimizerState", "only for mode parameters or ties",
-                ".mergeOptimizerState"),
+        CelRule("self.mode == 'parameters' || self.mode == 'ties' || self.mergeOptimizerState",
+                "only for mode parameters or ties", ".mergeOptimizerState"),
+        CelRule("self.mode == 'diloco' || !has(self.innerSteps)", "only for mode diloco", ".innerSteps"),
+        CelRule("self.mode == 'diloco' || !self.overlapOuterRound", "only for mode diloco", ".overlapOuterRound"),
+        CelRule("self.mode == 'diloco' || !has(self.outerOptimizer) || ("
+                + " && ".join(f"(!has(self.outerOptimizer.{alias}) || self.outerOptimizer.{alias} == {value})"
+                              for alias, value in _OUTER_DEFAULTS) + ")",
+                "only for mode diloco", ".outerOptimizer"),
+        CelRule("self.mode != 'diloco' || self.compression != 'blockwise8bit'",
+                "diloco: none, float16 or uniform8bit", ".compression"),
         CelRule("!has(self.trim) || self.mode == 'ties'", "only for mode ties", ".trim"),
         CelRule("self.aggregation == 'centeredClip' || !has(self.centeredClip) || "
                 "(!has(self.centeredClip.radius) && (!has(self.centeredClip.iterations) || "
@@ -130,12 +169,17 @@ class AveragingSpec(SpecModel):
     @model_validator(mode="after")
     def _merge_fields(self) -> "AveragingSpec":
         # Fields away from their defaults (a rendered manifest states every default: not an error).
-        merge_fields = {name for name in ("merge_every_steps", "merge_every_epochs", "merge_optimizer_state",
-                                          "shift_every_steps")
-                        if getattr(self, name) != type(self).model_fields[name].default}
-        if not self.merges_weights and merge_fields:
-            names = ", ".join(sorted(type(self).model_fields[f].alias or f for f in merge_fields))
-            raise ValueError(f"{names}: only for mode parameters or ties (mode is gradients)")
+        def changed(fields: tuple[str, ...]) -> str:
+            names = [type(self).model_fields[name].alias or name for name in fields
+                     if getattr(self, name) != type(self).model_fields[name].get_default(call_default_factory=True)]
+            return ", ".join(sorted(names))
+        if self.mode not in ("parameters", "ties") and changed(MERGE_ONLY_FIELDS):
+            raise ValueError(f"{changed(MERGE_ONLY_FIELDS)}: only for mode parameters or ties (mode is {self.mode})")
+        if self.mode != "diloco" and changed(DILOCO_ONLY_FIELDS):
+            raise ValueError(f"{changed(DILOCO_ONLY_FIELDS)}: only for mode diloco (mode is {self.mode})")
+        if self.mode == "diloco" and self.compression == "blockwise8bit":
+            raise ValueError("compression: diloco takes none, float16 or uniform8bit (blockwise8bit needs "
+                             "bitsandbytes, which does not load here)")
         if self.trim is not None and self.mode != "ties":
             raise ValueError(f"trim: only for mode ties (mode is {self.mode})")
         if self.aggregation != "centeredClip" and self.centered_clip != CenteredClipSpec():

@@ -61,11 +61,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from hivekeeper.hivemind_ext.merging import SIMPLE, TIES, MergingAverager
+from hivekeeper.hivemind_ext.merging import DILOCO, SIMPLE, TIES, MergingAverager
 from hivekeeper.hivemind_ext.robust import CenteredClip
 from hivekeeper.spec.swarm import ROBUST_MIN_GROUP_SIZE
 
-__all__ = ["MergeResult", "SimpleMerger", "TiesMerger", "simple_average", "ties_merge", "trim_offsets"]
+__all__ = ["MergeResult", "PseudoGradientMerger", "SimpleMerger", "TiesMerger", "round_bits", "simple_average",
+           "ties_merge", "trim_offsets"]
 
 
 
@@ -132,7 +133,7 @@ def _check_layout(like: Sequence[torch.Tensor], others: Sequence[Sequence[torch.
             raise ValueError(f"tensor shapes differ: expected {shapes}, got {[tuple(t.shape) for t in other]}")
 
 
-def _digest(tensors: Sequence[torch.Tensor]) -> str:
+def tensors_digest(tensors: Sequence[torch.Tensor]) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for tensor in tensors:
         digest.update(tensor.detach().to(torch.float32).contiguous().reshape(-1).numpy().tobytes())
@@ -193,7 +194,7 @@ class _Merger:
                 **fields}
 
     def _run(self, inputs: Sequence[torch.Tensor], gather: dict[str, Any], timeout: float,
-             allow_retries: bool) -> tuple[Optional[list[torch.Tensor]], MergeResult]:
+             allow_retries: bool, weight: float = 1.0) -> tuple[Optional[list[torch.Tensor]], MergeResult]:
         """Writes `inputs` to the averager, runs one merge step; returns the averager's merged
         tensors (float32) or None, and the result without `merged`."""
         if timeout <= self.min_matchmaking_time:
@@ -207,7 +208,7 @@ class _Merger:
             attempts_before = self.averager.last_attempt[0]
             error, peers, group = None, (), None
             try:
-                control = self.averager.step(gather=gather, weight=1.0, timeout=timeout,
+                control = self.averager.step(gather=gather, weight=weight, timeout=timeout,
                                              allow_retries=allow_retries, wait=False)
                 outcome = self._wait(control, deadline=time.monotonic() + timeout + self.allreduce_timeout + 10)
                 peers = tuple(outcome["peers"]) if isinstance(outcome, dict) else ()
@@ -278,7 +279,7 @@ class TiesMerger(_Merger):
         self._check(replica, "replica")
         offsets = trim_offsets([r.detach().to(torch.float32) - b.detach().to(torch.float32)
                                 for b, r in zip(base, replica)], self.trim)
-        gather = self._gathered(trim=self.trim, base=base_id or _digest(base))
+        gather = self._gathered(trim=self.trim, base=base_id or tensors_digest(base))
         offsets, result = self._run(offsets, gather, timeout, allow_retries)
         if offsets is None:
             return result
@@ -302,3 +303,29 @@ class SimpleMerger(_Merger):
             return result
         merged = [value.to(tensor.dtype) for tensor, value in zip(replica, mean)]
         return dataclasses.replace(result, merged=merged)
+
+
+def round_bits(round_index: int, bits: int = 16) -> str:
+    """A matchmaking group key per outer round: peers at different rounds never meet."""
+    return format(round_index % (1 << bits), f"0{bits}b")
+
+
+class PseudoGradientMerger(_Merger):
+    """DiLoCo's outer all-reduce (`hivekeeper.swarm.diloco`): the weighted mean of the members'
+    pseudo-gradients over one all-or-nothing round, optionally through a lossy codec
+    (`compression=`, `wire_bytes_per_element=` go to the averager). Matchmaking is keyed by the
+    outer round, so only peers at the same round meet, and members must also agree on the outer
+    state they started the round from (`state_id`), or the group is abandoned before any round."""
+
+    kind = DILOCO
+
+    def average(self, pseudo_gradients: Sequence[torch.Tensor], *, round_index: int, state_id: str,
+                weight: float = 1.0, timeout: float = 30.0, allow_retries: bool = True) -> MergeResult:
+        self._check(pseudo_gradients, "pseudo-gradients")
+        if not weight > 0:
+            raise ValueError(f"weight must be positive, got {weight}")
+        self.averager.set_group_bits(round_bits(round_index))
+        inputs = [tensor.detach().to(torch.float32) for tensor in pseudo_gradients]
+        mean, result = self._run(inputs, self._gathered(round=round_index, state=state_id), timeout, allow_retries,
+                                 weight=weight)
+        return result if mean is None else dataclasses.replace(result, merged=mean)

@@ -226,6 +226,11 @@ class MergingPeer(WrapperPeer):
     def _tensors(self) -> list[torch.Tensor]:
         return state_tensors(self.model, self.optimizer if self.merge_optimizer_state else None)
 
+    @property
+    def sent_bytes(self) -> float:
+        """Tensor bytes this peer has sent in merges."""
+        return self.merger.averager.sent_bytes.value
+
     def join(self) -> bool:
         """Start from the latest merged state any peer shares; False when there is none yet."""
         state = self._download()

@@ -44,6 +44,7 @@ class Monitor:
         self.losses: dict[int, float] = {}
         self.history = open(self.run_dir / "history.jsonl", "a", buffering=1)
         self.steps_seen: list[tuple[float, int]] = []  # (time, global step), the last minute
+        self.outer_steps: int | None = None  # replicas that train alone: the most any trainer took
 
     def run(self) -> int:
         import hivemind
@@ -107,6 +108,11 @@ class Monitor:
             "lossStep": latest_loss_step,
             "samplesPerSecond": samples_per_second,
             "samples": sum(r.get("samples") or 0 for r in trainers),
+            # what a trainer has sent in averaging rounds or merges, on average (the wire's cost)
+            "averagingBytesSentPerTrainer": round(sum(sent) / len(sent)) if (sent := [
+                r["averagingBytesSent"] for r in trainers if isinstance(r.get("averagingBytesSent"), (int, float))]) else None,
+            "outerSteps": max((r.get("merges") or 0 for r in trainers), default=0)
+            if self.ctx.spec.averaging.merges_weights else None,
             "peersAlive": dict(alive),
             "lastRound": last_round,
             "evalStep": self.eval_step,
@@ -122,6 +128,7 @@ class Monitor:
             metrics.loss.set(snapshot["loss"])
         for role in ("backbone", "trainer", "auxiliary", "monitor", "balancer"):
             metrics.peers_alive.labels(role).set(alive.get(role, 0))
+        self.outer_steps = snapshot["outerSteps"]
         self.ctx.status.clear()
         self.ctx.status.update(snapshot)
         self.history.write(json.dumps(snapshot) + "\n")
@@ -157,7 +164,7 @@ class Monitor:
 
             spec = self.ctx.spec
             optimizer = torch_optimizer_factory(spec.optimizer)(self.model.parameters()) \
-                if spec.averaging.merge_optimizer_state else None
+                if spec.averaging.shares_optimizer_state else None  # DiLoCo: outer parameters and momentum
             metadata = load_merged_state(self.dht, self.ctx.run_id, self.model, optimizer)
             return int(metadata["step"]) if metadata else max(self.eval_step, 0)
         self.state.load_state_from_peers(timeout=30.0)
@@ -197,5 +204,7 @@ class Monitor:
                        expiration_time=get_dht_time() + 3600)
         result = {"globalStep": self.eval_step, "reason": reason, "metrics": self.eval_metrics,
                   "checkpoint": str(final), "losses": {str(k): v for k, v in sorted(self.losses.items())}}
+        if self.outer_steps is not None:  # replicas that train alone: their merges or outer steps
+            result["outerSteps"] = self.outer_steps
         (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
         log.info("run finished", extra={"fields": result | {"losses": len(self.losses)}})

@@ -179,6 +179,7 @@ def _report(ctx: SwarmContext, dht, opt, follower: PlanFollower, step_loss: dict
         lossStep=step_loss.get("step"),
         samplesPerSecond=rate,
         samples=total_samples,
+        averagingBytesSent=round(opt.sent_bytes),
         lastRound=opt.last_round,
         computesGradients=computing,
         plan=follower.plan.digest if follower.plan else None,
