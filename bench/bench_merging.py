@@ -16,9 +16,11 @@ Anchors: DiLoCo (Douillard et al. 2023): matched synchronous training on C4 with
 communication; the DDAP paper (section 4): frequent merging approaches synchronous accuracy at
 lower cost, TIES at least as good as simple averaging on its larger task.
 
-    .venv/bin/python bench/bench_merging.py [--steps 150] [--every 10] [--inner 5 10 20] [--repeat 2]
-    .venv/bin/python bench/bench_merging.py --task lm --steps 100 --every 10 --inner 5 10 20
-    .venv/bin/python bench/bench_merging.py [--task lm] --replot   # table and plot from the stored JSON
+    .venv/bin/python bench/bench_merging.py --fresh [--steps 150] [--runs gradients diloco-10 ...] [--repeat 2]
+    .venv/bin/python bench/bench_merging.py --task lm --steps 100 --fresh   # the larger task
+    .venv/bin/python bench/bench_merging.py [--task lm] --replot   # table and plot from the stored runs
+Runs are stored as they finish (bench/results/NAME.runs.jsonl), so an invocation can add runs
+to those of the last one (without --fresh).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,11 +96,16 @@ def run(task: Task, config: dict, workdir: Path) -> dict:
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     run_dir = workdir / name
-    started = time.time()
     done = subprocess.run([str(REPO / ".venv/bin/hivekeeper"), "up", str(path), "--run-dir", str(run_dir)],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{name}: hivekeeper up failed: {done.stderr[-2000:]}")
+    return read_run(task, config, run_dir)
+
+
+def read_run(task: Task, config: dict, run_dir: Path) -> dict:
+    """One finished `hivekeeper up` run's figures."""
+    name = config["metadata"]["name"]
     summary = json.loads((run_dir / "summary.json").read_text())
     curve, seen, sent = [], set(), None
     for line in (run_dir / "history.jsonl").read_text().splitlines():
@@ -113,7 +119,7 @@ def run(task: Task, config: dict, workdir: Path) -> dict:
     averaging = config["spec"]["averaging"]
     return {"name": name, "configuration": configuration({"name": name}), "mode": averaging["mode"],
             "every": averaging.get("mergeEverySteps") or averaging.get("innerSteps"),
-            "final": summary["metrics"].get(task.metric), "wallSeconds": round(time.time() - started, 1),
+            "final": summary["metrics"].get(task.metric), "wallSeconds": summary["wallSeconds"],
             "steps": summary["globalStep"], "curve": curve,
             # bytes a trainer sent per step, from the monitor's last reading of the trainers' reports
             "bytesPerStep": round(sent[0] / sent[1]) if sent else None, **_rounds(run_dir)}
@@ -227,36 +233,48 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="digits")
     parser.add_argument("--steps", type=int, default=150, help="local optimizer steps per replica")
-    parser.add_argument("--every", type=int, nargs="+", default=[10], help="merge frequencies (steps)")
-    parser.add_argument("--inner", type=int, nargs="+", default=[5, 10, 20], help="DiLoCo's H values")
-    parser.add_argument("--repeat", type=int, default=2, help="runs per configuration")
-    parser.add_argument("--modes", nargs="+", default=["gradients", "parameters", "ties", "diloco"],
-                        choices=["gradients", "parameters", "ties", "diloco"])
-    parser.add_argument("--replot", action="store_true", help="print the table and plot from the stored JSON "
+    parser.add_argument("--runs", nargs="+", default=["gradients", "parameters-10", "ties-10", "diloco-5", "diloco-10",
+                                                      "diloco-20"],
+                        help="configurations: gradients, parameters-N, ties-N (merge every N), diloco-H")
+    parser.add_argument("--repeat", type=int, default=2, help="runs per configuration (round robin)")
+    parser.add_argument("--first-repeat", type=int, default=0, help="number the repeats from here (adding runs)")
+    parser.add_argument("--fresh", action="store_true", help="forget the runs stored by earlier invocations")
+    parser.add_argument("--import-runs", metavar="WORKDIR", help="store the finished runs of an interrupted "
+                                                                   "invocation's work directory, run nothing")
+    parser.add_argument("--replot", action="store_true", help="print the table and plot from the stored runs "
                                                               "without running anything")
     args = parser.parse_args()
     task = TASKS[args.task]
-    stored_path, plot_path = RESULTS_DIR / f"{task.results}.json", RESULTS_DIR / f"{task.results}.png"
-    if args.replot:
-        stored = json.loads(stored_path.read_text())
-        print(table(task, stored["results"], stored["steps"])[0])
-        plot(task, stored["results"], plot_path)
-        return
-    intervals = {"gradients": [None], "parameters": args.every, "ties": args.every, "diloco": args.inner}
-    # repeats interleaved (round robin), so that a slow spell of the machine hits every configuration alike
-    configs = [manifest(task, mode, every, args.steps, repeat) for repeat in range(args.repeat)
-               for mode in args.modes for every in intervals[mode]]
-    results = []
-    with tempfile.TemporaryDirectory(prefix="bench-merging-") as workdir:
-        for config in configs:
-            results.append(run(task, config, Path(workdir)))
-            last = results[-1]
-            print(f"  {last['name']}: {task.metric} {last['final']}, {last['bytesPerStep']} B/step/trainer, "
-                  f"{last['wallSeconds']} s", flush=True)
+    runs_path = RESULTS_DIR / f"{task.results}.runs.jsonl"  # every finished run, as it finishes
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    if args.fresh:
+        runs_path.unlink(missing_ok=True)
+
+    def store(result: dict) -> None:
+        with runs_path.open("a") as out:
+            out.write(json.dumps(result) + "\n")
+        print(f"  {result['name']}: {task.metric} {result['final']}, {result['bytesPerStep']} B/step/trainer, "
+              f"{result['wallSeconds']} s", flush=True)
+
+    if args.import_runs:
+        for path in sorted(Path(args.import_runs).glob("bench-*.yaml")):
+            if (path.with_suffix("") / "summary.json").exists():
+                store(read_run(task, yaml.safe_load(path.read_text()), path.with_suffix("")))
+    elif not args.replot:
+        configs = []
+        for repeat in range(args.first_repeat, args.first_repeat + args.repeat):
+            for token in args.runs:  # interleaved, so that a slow spell of the machine hits every one alike
+                mode, _, every = token.partition("-")
+                configs.append(manifest(task, mode, int(every) if every else None, args.steps, repeat))
+        with tempfile.TemporaryDirectory(prefix="bench-merging-") as workdir:
+            for config in configs:
+                store(run(task, config, Path(workdir)))
+    if not runs_path.exists():
+        raise SystemExit(f"no runs stored yet in {runs_path}")
+    results = [json.loads(line) for line in runs_path.read_text().splitlines() if line.strip()]
     text, rows = table(task, results, args.steps)
     print("\n" + text)
-    plot_path.parent.mkdir(parents=True, exist_ok=True)
-    plot(task, results, plot_path)
+    plot(task, results, RESULTS_DIR / f"{task.results}.png")
     write_results(task.results, ANCHOR, task=args.task, metric=task.metric, steps=args.steps, summary=rows,
                   results=results)
 

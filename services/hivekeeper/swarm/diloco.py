@@ -160,7 +160,7 @@ class DilocoPeer(WrapperPeer):
             return False
         state, live_step, outer_params, momentum = shared
         self._adopt(state, outer_params, momentum, rebase=False)
-        self.local_steps = live_step
+        self.local_steps = self._aligned(live_step)
         log.info("joined from the outer state", extra={"fields": {"outer_step": state.step, "step": live_step}})
         return True
 
@@ -255,8 +255,15 @@ class DilocoPeer(WrapperPeer):
         state, live_step, outer_params, momentum = shared
         if state.rank > self.state.rank:
             self._adopt(state, outer_params, momentum, rebase=True)
-            self.local_steps = max(self.local_steps, live_step)
+            self.local_steps = self._aligned(max(self.local_steps, live_step))
             log.info("caught up with the outer state", extra={"fields": {"outer_step": state.step}})
+
+    def _aligned(self, step: int) -> int:
+        """`step`, kept before the boundary of this replica's next round: a state that has taken
+        s outer steps has its next round at step H * (s + 1). A sharer that has reached that
+        boundary is in that round right now, and a replica put on the boundary itself would pass
+        it without a round and come to the next one a round behind, every time."""
+        return min(step, self.inner_steps * (self.state.step + 1) - 1)
 
     def _adopt(self, state: OuterState, outer_params: list[torch.Tensor], momentum: list[torch.Tensor],
                rebase: bool) -> None:
