@@ -65,6 +65,8 @@ from hivekeeper.hivemind_ext.merging import DILOCO, SIMPLE, TIES, MergingAverage
 from hivekeeper.hivemind_ext.robust import CenteredClip
 from hivekeeper.spec.swarm import ROBUST_MIN_GROUP_SIZE
 
+MATCHMAKING_SLACK = 5.0  # seconds a step may look for a group past its timeout before it is cancelled
+
 __all__ = ["MergeResult", "PseudoGradientMerger", "SimpleMerger", "TiesMerger", "round_bits", "simple_average",
            "ties_merge", "trim_offsets"]
 
@@ -210,7 +212,9 @@ class _Merger:
             try:
                 control = self.averager.step(gather=gather, weight=weight, timeout=timeout,
                                              allow_retries=allow_retries, wait=False)
-                outcome = self._wait(control, deadline=time.monotonic() + timeout + self.allreduce_timeout + 10)
+                started = time.monotonic()
+                outcome = self._wait(control, matchmaking_deadline=started + timeout + MATCHMAKING_SLACK,
+                                     deadline=started + timeout + self.allreduce_timeout + 10)
                 peers = tuple(outcome["peers"]) if isinstance(outcome, dict) else ()
                 group = outcome.get("group") if isinstance(outcome, dict) else None
                 if not peers:
@@ -226,14 +230,21 @@ class _Merger:
             with self.averager.get_tensors() as tensors:
                 return [tensor.clone() for tensor in tensors], result
 
-    def _wait(self, control: Any, deadline: float) -> Any:
+    def _wait(self, control: Any, matchmaking_deadline: float, deadline: float) -> Any:
+        """The step's outcome. hivemind's own timeout does not always end matchmaking: a peer whose
+        groupmates went on to other rounds was seen looking for a group for over 100 s on a
+        loaded machine, so a step still matchmaking past its timeout is cancelled here."""
+        from hivemind.averaging.control import AveragingStage
+
         while True:
             try:
                 return control.result(timeout=0.5)
             except TimeoutError:
                 if not self.averager.is_alive():
                     raise RuntimeError("the averager process died during the merge") from None
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline or (now > matchmaking_deadline and control.stage in (
+                        AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)):
                     control.cancel()
                     raise
 
