@@ -64,7 +64,8 @@ TASKS = {
 }
 
 
-def manifest(task: Task, mode: str, every: int | None, steps: int, repeat: int = 0) -> dict:
+def manifest(task: Task, mode: str, every: int | None, steps: int, repeat: int = 0,
+             outer: tuple[float, float] = (0.7, 0.9)) -> dict:
     document = yaml.safe_load((REPO / "examples" / task.example).read_text())
     spec = document["spec"]
     spec["trainers"] = {"replicas": 4, "batchSize": task.batch_size}
@@ -78,11 +79,13 @@ def manifest(task: Task, mode: str, every: int | None, steps: int, repeat: int =
         averaging["compression"] = "float16"
     elif mode == "diloco":
         averaging.update(innerSteps=every, compression="float16",
-                         outerOptimizer={"learningRate": 0.7, "momentum": 0.9, "nesterov": True})
+                         outerOptimizer={"learningRate": outer[0], "momentum": outer[1], "nesterov": True})
     else:
         averaging["mergeEverySteps"] = every
     spec["averaging"] = averaging
-    document["metadata"]["name"] = f"bench-{mode}" + (f"-{every}" if every else "") + f"-r{repeat}"
+    variant = "" if mode != "diloco" or outer == (0.7, 0.9) else \
+        f"-lr{outer[0]:g}m{outer[1]:g}".replace(".", "p")  # a name takes no dots
+    document["metadata"]["name"] = f"bench-{mode}" + (f"-{every}" if every else "") + variant + f"-r{repeat}"
     return document
 
 
@@ -107,11 +110,12 @@ def read_run(task: Task, config: dict, run_dir: Path) -> dict:
     """One finished `hivekeeper up` run's figures."""
     name = config["metadata"]["name"]
     summary = json.loads((run_dir / "summary.json").read_text())
-    curve, seen, sent = [], set(), None
+    curve, seen, sent, samples = [], set(), None, 0
     for line in (run_dir / "history.jsonl").read_text().splitlines():
         entry = json.loads(line)
         if entry.get("averagingBytesSentPerTrainer") and entry.get("globalStep"):
             sent = (entry["averagingBytesSentPerTrainer"], entry["globalStep"])
+        samples = entry.get("samples") or 0
         step, value = entry.get("evalStep"), (entry.get("evalMetrics") or {}).get(task.metric)
         if value is not None and step is not None and step >= 0 and step not in seen:
             seen.add(step)
@@ -122,7 +126,9 @@ def read_run(task: Task, config: dict, run_dir: Path) -> dict:
             "final": summary["metrics"].get(task.metric), "wallSeconds": summary["wallSeconds"],
             "steps": summary["globalStep"], "curve": curve,
             # bytes a trainer sent per step, from the monitor's last reading of the trainers' reports
-            "bytesPerStep": round(sent[0] / sent[1]) if sent else None, **_rounds(run_dir)}
+            "bytesPerStep": round(sent[0] / sent[1]) if sent else None,
+            "samples": samples,  # every trainer's, as the monitor last read their reports (they lag a little)
+            **_rounds(run_dir)}
 
 
 def _rounds(run_dir: Path) -> dict:
@@ -235,7 +241,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150, help="local optimizer steps per replica")
     parser.add_argument("--runs", nargs="+", default=["gradients", "parameters-10", "ties-10", "diloco-5", "diloco-10",
                                                       "diloco-20"],
-                        help="configurations: gradients, parameters-N, ties-N (merge every N), diloco-H")
+                        help="configurations: gradients, parameters-N, ties-N (merge every N), diloco-H, "
+                             "diloco-H@LR:MOMENTUM (outer optimizer; default the paper's 0.7:0.9)")
     parser.add_argument("--repeat", type=int, default=2, help="runs per configuration (round robin)")
     parser.add_argument("--first-repeat", type=int, default=0, help="number the repeats from here (adding runs)")
     parser.add_argument("--fresh", action="store_true", help="forget the runs stored by earlier invocations")
@@ -264,8 +271,10 @@ def main() -> None:
         configs = []
         for repeat in range(args.first_repeat, args.first_repeat + args.repeat):
             for token in args.runs:  # interleaved, so that a slow spell of the machine hits every one alike
+                token, _, outer = token.partition("@")  # diloco-10@1:0.5: outer learning rate 1, momentum 0.5
                 mode, _, every = token.partition("-")
-                configs.append(manifest(task, mode, int(every) if every else None, args.steps, repeat))
+                configs.append(manifest(task, mode, int(every) if every else None, args.steps, repeat,
+                                        tuple(map(float, outer.split(":"))) if outer else (0.7, 0.9)))
         with tempfile.TemporaryDirectory(prefix="bench-merging-") as workdir:
             for config in configs:
                 store(run(task, config, Path(workdir)))

@@ -9,18 +9,21 @@ import random
 import subprocess
 import sys
 from concurrent.futures import Future
+from functools import partial
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import EXAMPLES, deep_update, write_manifest
 from hivekeeper.errors import UserError
-from hivekeeper.experts.beam import batch_beam_search
+from hivekeeper.experts.beam import batch_beam_search, beam_search, clear_decoded, fetch_from_dht, successors
 from hivekeeper.experts.dmoe import DMoE, ExpertsUnavailable
 from hivekeeper.experts.grid import assign_experts, grid_uids, pool_assignment, server_experts, uid_coordinates
 from hivekeeper.spec import load_manifest, parse_manifest
 from hivekeeper.spec.expertpool import ExpertPoolSpec
 from hivemind.moe.expert_uid import ExpertInfo
+from hivemind.p2p import PeerID
 
 import yaml
 
@@ -125,6 +128,201 @@ def test_beam_search_returns_only_announced_experts():
     batch = [[[rng.gauss(0, 1) for _ in range(4)] for _ in range(2)] for _ in range(8)]
     for row in asyncio.run(batch_beam_search("e", batch, 4, fetch)):
         assert row and {e.uid for e in row} <= set(uids) and len({e.uid for e in row}) == len(row) <= 4
+
+
+def reference_beam_search(uid_prefix, grid_scores, k, level_of):
+    """The sequential search over Python tuples this module ran before it scored a step with numpy
+    (kept verbatim as the reference order, ties included). `level_of(prefixes)` is a plain fetch."""
+    import heapq
+
+    dims, root, first = len(grid_scores[0]), uid_prefix + ".", len(grid_scores[0][0])
+    level = level_of([f"{root}{c}." for c in range(first)])
+    beams = []
+    for scores in grid_scores:
+        live = ((scores[0][c], f"{root}{c}.") for c in range(first))
+        beams.append(heapq.nlargest(k, ((s, p) for s, p in live if level.get(p))))
+    for dim in range(1, dims):
+        candidates = []
+        for scores, beam in zip(grid_scores, beams):
+            extended = [(score + scores[dim][coord], f"{prefix}{coord}", expert)
+                        for score, prefix in beam for coord, expert in level.get(prefix, {}).items()
+                        if 0 <= coord < len(scores[dim])]
+            candidates.append(heapq.nlargest(k, extended, key=lambda c: c[0]))
+        if dim == dims - 1:
+            return [[expert for _, name, expert in best if expert.uid == name] for best in candidates]
+        wanted = sorted({name + "." for best in candidates for _, name, _ in best})
+        level = level_of(wanted)
+        beams = [[(s, name + ".") for s, name, _ in best if level.get(name + ".")] for best in candidates]
+    return [[next(iter(level[prefix].values())) for _, prefix in beam] for beam in beams]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_beam_search_keeps_the_sequential_order_on_sparse_grids_and_ties(seed):
+    """Beyond full grids (where it equals brute force): the same choices, in the same order, as the
+    sequential search, with experts missing, subkeys listed in any order and many equal scores
+    (first-dimension ties go to the greater prefix string: e.9. before e.11.)."""
+    rng = random.Random(seed)
+    dims = [[5], [6, 7], [4, 3, 5], [12, 3]][seed % 4]
+    uids = [u for u in grid_uids("e", dims) if rng.random() < 0.6]
+    table: dict[str, dict[int, ExpertInfo]] = {}
+    for uid in rng.sample(uids, len(uids)):  # subkeys in any order
+        parts = uid.split(".")
+        if len(parts) == 2:
+            table.setdefault(uid + ".", {})[-1] = ExpertInfo(uid, None)
+        for depth in range(1, len(parts) - 1):
+            table.setdefault(".".join(parts[:depth + 1]) + ".", {})[int(parts[depth + 1])] = ExpertInfo(uid, None)
+    table["e.0."] = {**table.get("e.0.", {}), 99: ExpertInfo("e.0.99", None)}  # outside the grid: never chosen
+
+    async def fetch(prefixes):
+        return {p: dict(table.get(p, {})) for p in prefixes}
+
+    for round_scores in (True, False):  # small integers: ties everywhere; gaussians: none
+        batch = [[[float(rng.randint(-2, 2)) if round_scores else rng.gauss(0, 1) for _ in range(m)] for m in dims]
+                 for _ in range(24)]
+        for k in (1, 3, 8):
+            found = asyncio.run(batch_beam_search("e", batch, k, fetch))
+            expected = reference_beam_search("e", batch, k, lambda ps: {p: dict(table.get(p, {})) for p in ps})
+            assert [[e.uid for e in row] for row in found] == [[e.uid for e in row] for row in expected]
+
+
+# The DHT node's side: records as hivemind's declare_experts stores them, read from the node's
+# storage and cache (hivemind's own structures) or, when not there, through the DHT (a stub).
+
+class StubNode:
+    """A DHTNode's storage, cache and get_many; the 'network' holds every announced record and
+    get_many caches what it finds, as hivemind does."""
+
+    def __init__(self, network):
+        from hivemind.dht.storage import DHTLocalStorage
+        from hivemind.dht.validation import CompositeValidator
+
+        self.network = network
+        self.protocol = type("Protocol", (), {})()
+        self.protocol.storage, self.protocol.cache = DHTLocalStorage(), DHTLocalStorage()
+        self.protocol.record_validator = CompositeValidator([])
+        self.cache_refresh_before_expiry = 0
+        self.looked_up: list[list[str]] = []
+
+    async def get_many(self, keys, num_workers=None):
+        from hivemind.dht.routing import DHTID
+        from hivemind.utils import MSGPackSerializer, ValueWithExpiration
+
+        self.looked_up.append(list(keys))
+        await asyncio.sleep(0)
+        found = {}
+        for key in keys:
+            entry = self.network.get(DHTID.generate(key))
+            if entry is None:
+                found[key] = None
+                continue
+            self.protocol.cache.store(DHTID.generate(key), entry.value, entry.expiration_time)
+            found[key] = ValueWithExpiration({subkey: ValueWithExpiration(MSGPackSerializer.loads(v), exp)
+                                              for subkey, (v, exp) in entry.value.items()}, entry.expiration_time)
+        return found
+
+
+def announce(network, uids, peer: str, expiration: float) -> None:
+    """What hivemind's declare_experts stores for these uids (the prefix records)."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.utils import MSGPackSerializer
+
+    for uid in uids:
+        parts = uid.split(".")
+        if len(parts) == 2:
+            parts = [*parts, "-1"]  # FLAT_EXPERT
+        for depth in range(1, len(parts) - 1):
+            prefix = ".".join(parts[:depth + 1]) + "."
+            network.store_subkey(DHTID.generate(prefix), int(parts[depth + 1]), MSGPackSerializer.dumps((uid, peer)),
+                                 expiration)
+
+
+PEER_IDS = [PeerID(bytes([0, 36, i]) + bytes(35)).to_base58() for i in range(3)]
+
+
+@pytest.mark.parametrize("dims", [[32, 32], [8, 8, 8], [6]])
+def test_dht_beam_search_picks_the_exhaustive_top_k_cold_and_warm(dims):
+    """The trainer's path (scores by dimension, prefixes read from the DHT node): exactly the
+    experts brute force over the whole grid picks, in its order, whether the prefixes come
+    through the DHT (cold) or from the node's cache (warm: no DHT request)."""
+    from hivemind.dht.storage import DHTLocalStorage
+    from hivemind.utils import get_dht_time
+
+    clear_decoded()
+    uids = grid_uids("g", dims)
+    network = DHTLocalStorage()
+    for i, peer in enumerate(PEER_IDS):
+        announce(network, uids[i::len(PEER_IDS)], peer, get_dht_time() + 600)
+    node = StubNode(network)
+    rng = np.random.default_rng(0)
+    for search in ("cold", "warm"):
+        scores = [rng.standard_normal((64, m)).astype(np.float32) for m in dims]
+        found = asyncio.run(beam_search("g", scores, 4, partial(fetch_from_dht, node)))
+        for row, example in zip(found, range(64)):
+            expected = brute_force(uids, [[float(v) for v in s[example]] for s in scores], 4)
+            assert [e.uid for e in row] == expected
+            assert all(e.peer_id.to_base58() == PEER_IDS[uids.index(e.uid) % len(PEER_IDS)] for e in row)
+        if search == "cold":
+            assert node.looked_up and all(keys for keys in node.looked_up)
+            known = {key for keys in node.looked_up for key in keys}
+            node.looked_up.clear()
+        else:  # the prefixes known from the cold search come from the node's cache, never the DHT again
+            assert not {key for keys in node.looked_up for key in keys} & known
+            assert len(dims) > 2 or node.looked_up == []
+
+
+def test_dht_beam_search_never_chooses_expired_records(monkeypatch):
+    """Experts whose records expire vanish from the search, read from the cache or the node's own
+    storage; a server that announces again is found again."""
+    import hivemind.utils.timed_storage as timed_storage
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DHTLocalStorage
+    from hivemind.utils import MSGPackSerializer, ValueWithExpiration
+
+    import hivekeeper.experts.beam as beam
+
+    now = [1_000_000.0]
+    monkeypatch.setattr(timed_storage, "get_dht_time", lambda: now[0])
+    monkeypatch.setattr(beam, "get_dht_time", lambda: now[0])
+    clear_decoded()
+    dims, k = [6, 6], 4
+    uids = grid_uids("g", dims)
+    rows_lost = {u for u in uids if u.split(".")[1] in ("1", "4")}  # whole prefixes whose server left
+    scattered = set(random.Random(2).sample(sorted(set(uids) - rows_lost), 8))  # single experts that left
+    network = DHTLocalStorage()
+    announce(network, sorted(set(uids) - rows_lost - scattered), PEER_IDS[0], now[0] + 100)
+    announce(network, sorted(rows_lost | scattered), PEER_IDS[1], now[0] + 10)
+    node = StubNode(network)
+    node.protocol.storage = network  # the node itself stores these prefixes: read before its cache
+    rng = random.Random(3)
+    batch = [[[rng.gauss(0, 1) for _ in range(m)] for m in dims] for _ in range(32)]
+    fetch = partial(fetch_from_dht, node)
+    before = asyncio.run(batch_beam_search("g", batch, k, fetch))
+    assert [[e.uid for e in row] for row in before] == [brute_force(uids, s, k) for s in batch]
+
+    now[0] += 50  # the second server's records expired
+    after = asyncio.run(batch_beam_search("g", batch, k, fetch))
+    live = sorted(set(uids) - rows_lost - scattered)
+    for row, scores in zip(after, batch):
+        assert row and not {e.uid for e in row} & (rows_lost | scattered)
+        assert {e.uid for e in row} <= set(live) and len({e.uid for e in row}) == len(row) <= k
+
+    def level_of(prefixes):  # what the sequential search read: hivemind's get (storage first), then the parser
+        found = {}
+        for prefix in prefixes:
+            entry = node.protocol.storage.get(DHTID.generate(prefix))
+            found[prefix] = successors(entry and ValueWithExpiration(
+                {c: ValueWithExpiration(MSGPackSerializer.loads(v), e) for c, (v, e) in entry.value.items()},
+                entry.expiration_time))
+        return found
+
+    assert [[e.uid for e in row] for row in after] == [[e.uid for e in row] for row in
+                                                       reference_beam_search("g", batch, k, level_of)]
+    # without the lost rows the rest is a full grid again: exact against brute force over the live experts
+    full = sorted(set(uids) - rows_lost)
+    announce(network, sorted(scattered), PEER_IDS[2], now[0] + 100)
+    again = asyncio.run(batch_beam_search("g", batch, k, fetch))
+    assert [[e.uid for e in row] for row in again] == [brute_force(full, s, k) for s in batch]
+    assert {e.peer_id.to_base58() for row in again for e in row if e.uid in scattered} <= {PEER_IDS[2]}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from prometheus_client import Histogram
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from hivekeeper.experts.beam import batch_beam_search, fetch_from_dht
+from hivekeeper.experts.beam import beam_search, fetch_from_dht
 from hivekeeper.experts.grid import UID_DELIMITER
 
 # hivemind's DHT process reads its request pipe non-blocking: a request that multiprocessing
@@ -132,8 +132,8 @@ class _BatchBeamSearch:
     async def __call__(self, dht, node) -> list[list[ExpertInfo]]:
         flat = np.frombuffer(self.scores, dtype=np.float32).reshape(-1, sum(self.sizes))
         bounds = np.cumsum([0, *self.sizes])
-        per_example = [[row[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])] for row in flat]
-        return await batch_beam_search(self.uid_prefix, per_example, self.k, partial(fetch_from_dht, node))
+        by_dimension = [flat[:, a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        return await beam_search(self.uid_prefix, by_dimension, self.k, partial(fetch_from_dht, node))
 
 
 @dataclass
