@@ -132,6 +132,20 @@ async def _requests_sent(dht, node) -> tuple[int, int]:
     return len(sent), len(set(sent))
 
 
+def timed_search(client, prefix: str, dims: list[int], batch: int, k: int):
+    """A function that runs one search for a batch of random gating scores and returns its seconds."""
+    gen = torch.Generator().manual_seed(0)
+
+    def search() -> float:
+        scores = [torch.randn(batch, m, generator=gen) for m in dims]
+        started = time.perf_counter()
+        found = client.find_best_experts(prefix, scores, k)
+        seconds = time.perf_counter() - started
+        assert all(len(row) == k for row in found), "every example found k experts"
+        return seconds
+    return search
+
+
 def measure(dims: list[int], size: int, batch: int, k: int, repeats: int) -> dict:
     import hivemind
 
@@ -147,15 +161,7 @@ def measure(dims: list[int], size: int, batch: int, k: int, repeats: int) -> dic
         maddrs = [str(a) for a in peers[0].get_visible_maddrs()]
         client_dht = hivemind.DHT(start=True, initial_peers=maddrs, client_mode=True)
         client = ExpertClient(client_dht)
-        gen = torch.Generator().manual_seed(0)
-
-        def search() -> float:
-            scores = [torch.randn(batch, m, generator=gen) for m in dims]
-            started = time.perf_counter()
-            found = client.find_best_experts("bench", scores, k)
-            seconds = time.perf_counter() - started
-            assert all(len(row) == k for row in found), "every example found k experts"
-            return seconds
+        search = timed_search(client, "bench", dims, batch, k)
 
         cold, warm, requests, asked = [], [], [], []
         for _ in range(repeats + 1):  # the first cold search also fills the client's routing table
@@ -197,15 +203,7 @@ def measure_case(dims: list[int], announcers: int, batch: int, k: int, repeats: 
         client_dht = hivemind.DHT(start=True, initial_peers=[str(a) for a in peers[0].get_visible_maddrs()],
                                   client_mode=True)
         client = ExpertClient(client_dht)
-        gen = torch.Generator().manual_seed(0)
-
-        def search() -> float:
-            scores = [torch.randn(batch, m, generator=gen) for m in dims]
-            started = time.perf_counter()
-            found = client.find_best_experts("case", scores, k)
-            seconds = time.perf_counter() - started
-            assert all(len(row) == k for row in found), "every example found k experts"
-            return seconds
+        search = timed_search(client, "case", dims, batch, k)
 
         first = search()  # fills the client's routing table and cache
         warm = [search() for _ in range(repeats)]
