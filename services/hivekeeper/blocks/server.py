@@ -26,6 +26,7 @@ from hivekeeper.blocks.protocol import JOINING, OFFLINE, ONLINE, ErrorCode, Serv
 from hivekeeper.blocks.quantize import quantize_weights
 from hivekeeper.blocks.role import BlockContext, load_block_context
 from hivekeeper.blocks.selection import choose_start, planned_span, wants_to_move
+from hivekeeper.runtime.cpu import torch_threads
 from hivekeeper.spec.blockserver import BlockServerSpec, span_length
 
 log = logging.getLogger("hivekeeper.blocks.server")
@@ -344,5 +345,6 @@ def _parse_blocks(text: str, total: int) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> int:
     ctx = load_block_context("block-server", args)
-    torch.set_num_threads(ctx.manifest.spec.servers.torch_threads)
+    servers = ctx.manifest.spec.servers
+    torch.set_num_threads(torch_threads(servers.torch_threads, servers.resources.cpu))
     return BlockServer(ctx).run()

@@ -20,6 +20,7 @@ from hivekeeper.experts.common import PoolContext, load_pool_context
 from hivekeeper.experts.grid import server_experts
 from hivekeeper.experts.kind import SERVER
 from hivekeeper.hivemind_ext.moe_handler import CheckedConnectionHandler
+from hivekeeper.runtime.cpu import cores_given
 from hivekeeper.runtime.lifecycle import install_signal_handlers
 
 log = logging.getLogger("hivekeeper.experts.server")
@@ -77,7 +78,7 @@ class ExpertServer:
 
     def run(self) -> int:
         ctx, spec = self.ctx, self.ctx.spec
-        torch.set_num_threads(1)  # many processes share the cores; one thread each
+        torch.set_num_threads(cores_given(spec.servers.resources.cpu))
         ctx.start_endpoint()
         dht = ctx.make_dht()
         log.info("joined the DHT", extra={"fields": {"peer_id": str(dht.peer_id)}})

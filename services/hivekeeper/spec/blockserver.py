@@ -83,8 +83,9 @@ class ServersSpec(SpecModel):
     balance_quality: float = Field(
         0.75, gt=0, description="move to another span only if the worst block's throughput rises so that old/new < this")
     rebalance_seconds: float = Field(30.0, gt=0, description="how often an online server checks whether to move")
-    torch_threads: int = Field(
-        1, ge=1, description="CPU threads per server for torch; more pay off only for large blocks")
+    torch_threads: Optional[int] = Field(
+        None, ge=1, description="CPU threads per server for torch; default: the cores the server is given "
+                                "(its container's CPU limit, else resources.cpu rounded up)")
     resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
     placement: Placement = Field(default_factory=Placement)
 

@@ -30,3 +30,21 @@ Quantity = Annotated[
     PlainValidator(_quantity),
     WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": QUANTITY, "minimum": 0}),
 ]
+
+
+_DECIMAL = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+_BINARY = {f"{p}i": 1024 ** (i + 1) for i, p in enumerate("KMGTPE")}
+
+
+def quantity_value(quantity: Union[int, str]) -> float:
+    """A quantity's value: "500m" -> 0.5, "2Gi" -> 2147483648.0, 3 -> 3.0."""
+    value = _quantity(quantity)
+    if isinstance(value, int):
+        return float(value)
+    match = _QUANTITY.match(value)
+    number, suffix = value[:match.start(3)] if match.group(3) else value, match.group(3) or ""
+    if suffix in _BINARY:
+        return float(number) * _BINARY[suffix]
+    if suffix in _DECIMAL:
+        return float(number) * _DECIMAL[suffix]
+    return float(number + suffix)  # none, or an exponent such as 1e3
