@@ -140,6 +140,38 @@ async def test_a_flow_keeps_at_most_its_window_of_parts_unanswered():
 
 
 @pytest.mark.asyncio
+async def test_a_flow_ends_only_once_its_aggregator_answered_every_part():
+    """The sender's end of stream acknowledges the last reply: the aggregator closes the stream
+    only after it (p2pd may reset a stream closed with a reply in flight, and the reply is lost)."""
+    runner = window_runner([NODE, NODE], parts_per_flow=8)
+    flow = Flow(runner._generate_input_for_peer(1))
+    delta = torch.zeros(PART)
+
+    def answer(*parts: int) -> None:
+        for part in parts:
+            runner.tensor_part_container.register_processed_part(1, part, delta)
+
+    assert await flow.sent_until_blocked(wait=0.05) == 4  # the window
+    answer(0, 1, 2, 3)
+    assert await flow.sent_until_blocked(wait=0.05) == 4  # the rest: all 8 sent
+    answer(4, 5, 6)
+    assert await flow.sent_until_blocked(wait=0.05) == 0 and flow.pending is not None  # still open
+    answer(7)
+    assert await flow.sent_until_blocked(wait=0.05) == 0
+    assert flow.pending is None  # ended, not waiting
+
+
+@pytest.mark.asyncio
+async def test_a_finished_round_releases_flows_still_waiting_for_answers():
+    runner = window_runner([NODE, NODE], parts_per_flow=4)
+    flow = Flow(runner._generate_input_for_peer(1))
+    assert await flow.sent_until_blocked(wait=0.05) == 4  # all sent, none answered: waits
+    assert flow.pending is not None
+    runner.finalize(exception=RuntimeError("the round failed"))
+    assert await flow.sent_until_blocked(wait=0.05) == 0 and flow.pending is None
+
+
+@pytest.mark.asyncio
 async def test_a_client_mode_sender_is_not_windowed():
     """Aggregators answer a client-mode member only after its last part: a window would deadlock."""
     runner = window_runner([CLIENT, NODE], parts_per_flow=20)

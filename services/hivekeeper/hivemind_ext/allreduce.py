@@ -52,7 +52,6 @@ moves, in counters that live in shared memory for the same reason.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import hashlib
 import json
@@ -73,7 +72,8 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import enter_asynchronously
 
 from hivekeeper.hivemind_ext import check_hivemind_version
-from hivekeeper.hivemind_ext.group_round import Group, abandon_on_failure, add_averages, bandwidth_split, start_runner
+from hivekeeper.hivemind_ext.group_round import (AcknowledgingRunner, Group, abandon_on_failure, add_averages,
+                                                   bandwidth_split, start_runner)
 from hivekeeper.hivemind_ext.robust import CenteredClip, robust_runner
 
 check_hivemind_version(__name__)
@@ -138,37 +138,9 @@ class PlannedRound:
         return self.finished - self.started
 
 
-class _AnswerCounter:
-    """An all-reduce's part container (hivemind's TensorPartContainer, which the runner builds
-    itself) that also counts the averaged parts each aggregator has answered and wakes the flow
-    to it: composition, everything else goes to the container."""
-
-    def __init__(self, container: Any):
-        self.container = container
-        self.answered = [0] * container.group_size  # averaged parts received back, per aggregator
-        self.credit = [asyncio.Event() for _ in range(container.group_size)]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.container, name)
-
-    def register_processed_part(self, peer_index: int, part_index: int, part) -> None:
-        self.container.register_processed_part(peer_index, part_index, part)
-        self.answered[peer_index] += 1
-        self.credit[peer_index].set()
-
-    def register_failed_reducer(self, peer_index: int) -> None:
-        self.container.register_failed_reducer(peer_index)
-        self.answered[peer_index] = math.inf  # never block a flow whose aggregator is gone
-        self.credit[peer_index].set()
-
-
-class _PlannedRunner(AllReduceRunner):
+class _PlannedRunner(AcknowledgingRunner):
     """Results wait for the end of sending only for client-mode members, and every flow to an
     aggregator keeps at most `window` parts unanswered (see the module docstring)."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.tensor_part_container = _AnswerCounter(self.tensor_part_container)
 
     def should_delay_results(self, peer_id) -> bool:
         return self.modes[self.ordered_peer_ids.index(peer_id)] == AveragingMode.CLIENT
@@ -186,9 +158,7 @@ class _PlannedRunner(AllReduceRunner):
             return
         window, sent, parts = self.window(peer_index), 0, self.tensor_part_container
         async for message in messages:
-            while sent - parts.answered[peer_index] >= window:
-                parts.credit[peer_index].clear()
-                await parts.credit[peer_index].wait()
+            await parts.wait_for_answers(peer_index, sent - window + 1)
             yield message
             sent += 1
 

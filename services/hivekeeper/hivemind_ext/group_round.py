@@ -9,12 +9,22 @@ averages to the tensors, and turn any failure into the `MatchmakingException` th
 step retry or end. The planned averager (`allreduce`) changes the split and the runner; the
 merging averager (`merging`) runs two all-or-nothing rounds on one group. Both build their step
 from these pieces instead of each keeping a copy of hivemind's.
+
+Both also run `AcknowledgingRunner`: a sender keeps its request stream to an aggregator open
+until the aggregator's last reply has arrived. In hivemind the aggregator's handler ends, and
+closes the stream, right after its last reply; libp2p's Close does not wait for delivery, p2pd
+then resets the stream, and the sender's side drops a reply still in flight and reads the reset
+as a clean end of stream. Under load that lost the last part of a healthy merge (CI: "7
+elements never averaged", no sender lost; plain hivemind would keep the sender's own values
+there and log "received 99.9% results"). Sent only after the last reply, the sender's end of
+stream is the acknowledgment: the aggregator closes once everything has arrived.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -31,7 +41,8 @@ from hivekeeper.hivemind_ext import check_hivemind_version
 
 check_hivemind_version(__name__)
 
-__all__ = ["Group", "abandon_on_failure", "add_averages", "bandwidth_split", "bytes_sent", "start_runner"]
+__all__ = ["AcknowledgingRunner", "Group", "ReplyCounter", "abandon_on_failure", "add_averages", "bandwidth_split",
+           "bytes_sent", "start_runner"]
 
 @dataclass(frozen=True)
 class Group:
@@ -62,6 +73,62 @@ async def bandwidth_split(averager: DecentralizedAverager, group: Group, min_vec
     download = [bw if mode != AveragingMode.CLIENT.value else 0.0 for bw, mode in zip(group.bandwidths, group.mode_ids)]
     return await asyncio.get_event_loop().run_in_executor(
         None, load_balance_peers, averager.total_size, download, min_vector_size)
+
+
+class ReplyCounter:
+    """An all-reduce's part container (hivemind's TensorPartContainer, which the runner builds
+    itself) that also counts the averaged parts each aggregator has answered and wakes the flow
+    to it: composition, everything else goes to the container."""
+
+    def __init__(self, container: Any):
+        self.container = container
+        self.answered = [0] * container.group_size  # averaged parts received back, per aggregator
+        self.credit = [asyncio.Event() for _ in range(container.group_size)]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.container, name)
+
+    def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
+        self.container.register_processed_part(peer_index, part_index, part)
+        self.answered[peer_index] += 1
+        self.credit[peer_index].set()
+
+    def register_failed_reducer(self, peer_index: int) -> None:
+        self.container.register_failed_reducer(peer_index)
+        self.release(peer_index)
+
+    def release(self, peer_index: int) -> None:
+        """Nothing more is awaited from this aggregator (it failed, or the round ended)."""
+        self.answered[peer_index] = math.inf
+        self.credit[peer_index].set()
+
+    async def wait_for_answers(self, peer_index: int, count: float) -> None:
+        """Until the aggregator has answered at least `count` parts (or was released)."""
+        while self.answered[peer_index] < count:
+            self.credit[peer_index].clear()
+            await self.credit[peer_index].wait()
+
+
+class AcknowledgingRunner(AllReduceRunner):
+    """hivemind's runner whose senders end a request stream only after the aggregator's last
+    reply (see the module docstring). A client-mode sender's results come only after its end of
+    stream (hivemind's delayed results), so it does not wait for them."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.tensor_part_container = ReplyCounter(self.tensor_part_container)
+
+    async def _generate_input_for_peer(self, peer_index: int):
+        async for message in super()._generate_input_for_peer(peer_index):
+            yield message
+        if not self.should_delay_results(self.peer_id):
+            parts = self.tensor_part_container
+            await parts.wait_for_answers(peer_index, parts.num_parts_by_peer[peer_index])
+
+    def finalize(self, **kwargs: Any) -> None:
+        super().finalize(**kwargs)
+        for peer_index in range(self.tensor_part_container.group_size):  # a finished round awaits nothing
+            self.tensor_part_container.release(peer_index)
 
 
 def start_runner(averager: DecentralizedAverager, tensors: Sequence[torch.Tensor], info: GroupInfo,

@@ -55,7 +55,8 @@ from hivemind.compression import CompressionInfo
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from hivekeeper.hivemind_ext import check_hivemind_version
-from hivekeeper.hivemind_ext.group_round import Group, abandon_on_failure, bandwidth_split, bytes_sent, start_runner
+from hivekeeper.hivemind_ext.group_round import (AcknowledgingRunner, Group, abandon_on_failure, bandwidth_split,
+                                                   bytes_sent, start_runner)
 from hivekeeper.hivemind_ext.robust import CenteredClip, robust_runner
 
 check_hivemind_version(__name__)
@@ -98,12 +99,13 @@ def disjoint_mean(mean_masked: Sequence[torch.Tensor], mean_indicators: Sequence
 # --- all-or-nothing all-reduce -------------------------------------------------------------------
 
 
-class AllOrNothingRunner(AllReduceRunner):
+class AllOrNothingRunner(AcknowledgingRunner):
     """hivemind's butterfly all-reduce, except that a reducer that loses a sender before it has
     aggregated every part stops: the part in progress and all later ones fail (the remaining
     senders get an error instead of averages over fewer peers), and so does this peer's round.
     Parts finished before the loss included every sender, so whatever a peer receives in full
-    is the mean over the whole group."""
+    is the mean over the whole group. Senders end their streams only once answered in full
+    (`AcknowledgingRunner`)."""
 
     voided = False
 
