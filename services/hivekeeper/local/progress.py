@@ -61,6 +61,7 @@ class ProgressView:
         self._live: Optional[Live] = None
         self._last_line = 0.0
         self.started = time.monotonic()
+        self.seen_status = False  # the monitor answered once: silence after that is the run ending
 
     def __enter__(self) -> "ProgressView":
         if self.interactive:
@@ -73,6 +74,7 @@ class ProgressView:
             self._live.__exit__(*exc)
 
     def update(self, status: Optional[dict[str, Any]]) -> None:
+        self.seen_status = self.seen_status or bool(status)
         if self._live is not None:
             self._live.update(self._render(status))
         elif time.monotonic() - self._last_line >= 5.0:
@@ -82,7 +84,7 @@ class ProgressView:
     def _line(self, status: Optional[dict[str, Any]]) -> str:
         elapsed = time.monotonic() - self.started
         if not status:
-            return f"[{elapsed:5.0f}s] {self.name}: starting ({self._process_summary()})"
+            return f"[{elapsed:5.0f}s] {self.name}: {self._waiting()} ({self._process_summary()})"
         peers = status.get("peersAlive", {})
         evals = " ".join(f"{k}={v:.4f}" for k, v in (status.get("evalMetrics") or {}).items())
         return (
@@ -92,6 +94,11 @@ class ProgressView:
             + (f"  outer steps {status['outerSteps']}" if status.get("outerSteps") is not None else "")
             + (f"  plan {status['plan']['stepsPerSecond']:.3f} steps/s" if status.get("plan") else "")
         )
+
+    def _waiting(self) -> str:
+        """No status from the monitor: it has not started yet, or it has finished the run (its
+        final evaluation and report) and stopped answering."""
+        return "finishing" if self.seen_status else "starting"
 
     def _of_target(self) -> str:
         return f"/{self.target_steps}" if self.target_steps else ""
@@ -120,7 +127,7 @@ class ProgressView:
             evals = ", ".join(f"{k} {v:.4f}" for k, v in (status.get("evalMetrics") or {}).items())
             summary.add_row("held-out", f"{evals or '-'} (step {status.get('evalStep')})")
         else:
-            summary.add_row("status", "waiting for the monitor...")
+            summary.add_row("status", self._waiting())
         processes = Table(title=None, box=None, header_style="bold dim")
         for column in ("process", "pid", "state", "restarts", "metrics"):
             processes.add_column(column)
