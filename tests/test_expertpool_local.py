@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import parent_pid, wait_for, write_manifest
-from test_swarm_local import http_get, ports, processes_of, silent_dashboard_panels
+from test_swarm_local import http_get, ports, processes_of, role_pids, silent_dashboard_panels
 
 TARGET_ACCURACY = 0.9
 SMALL = {"metadata": {"name": "moe-local"}, "spec": {
@@ -42,14 +42,7 @@ def status(run_dir: Path, role: str) -> dict:
 
 def server_pid(run_dir: Path, index: int) -> int | None:
     """The server's main process (its forked workers have the same command line)."""
-    found = set()
-    for pid in processes_of(run_dir):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"expert-server\0" in cmdline and f"--index\0{index}\0".encode() in cmdline:
-            found.add(pid)
+    found = set(role_pids(run_dir, "expert-server", index))
     return next((pid for pid in found if parent_pid(pid) not in found), None)
 
 

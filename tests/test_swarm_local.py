@@ -69,16 +69,21 @@ def global_step(run_dir: Path) -> int:
     return json.loads(status).get("globalStep", -1) if status else -1
 
 
-def trainer_pids(run_dir: Path, index: int) -> list[int]:
+def role_pids(run_dir: Path, role: str, index: int) -> list[int]:
+    """PIDs of `hivekeeper run ROLE --index INDEX` of this run (forked workers included)."""
     pids = []
     for pid in processes_of(run_dir):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"trainer\0" in cmdline and f"--index\x00{index}\x00".encode() in cmdline:
+        if f"{role}\0".encode() in cmdline and f"--index\0{index}\0".encode() in cmdline:
             pids.append(pid)
     return pids
+
+
+def trainer_pids(run_dir: Path, index: int) -> list[int]:
+    return role_pids(run_dir, "trainer", index)
 
 
 def crash_trainer(run_dir: Path, index: int) -> int:
