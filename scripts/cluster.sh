@@ -57,9 +57,7 @@ install_packages() {
     done
     [ ${#missing[@]} -eq 0 ] && return
     log "apt-get install ${missing[*]}"
-    apt-get -o DPkg::Lock::Timeout=600 update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends \
-        "${missing[@]}" >/dev/null
+    "$ROOT/scripts/apt-install.sh" --no-install-recommends "${missing[@]}"
     # Debian starts the packaged containerd as a service where an init runs; this cluster
     # runs its own, with its own root and socket.
 }

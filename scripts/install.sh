@@ -18,7 +18,7 @@ command -v curl >/dev/null 2>&1 || missing+=(curl)
 apt_pid=
 apt_log=$(mktemp)
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}") >"$apt_log" 2>&1 &
+  scripts/apt-install.sh "${missing[@]}" >"$apt_log" 2>&1 &
   apt_pid=$!
 fi
 

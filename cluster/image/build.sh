@@ -122,9 +122,7 @@ ensure_tools() {
   [ -n "$GO" ] || missing+=(golang-go)
   if [ ${#missing[@]} -gt 0 ]; then
     log "installing ${missing[*]} (apt-get)"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get -o DPkg::Lock::Timeout=600 update -qq
-    apt-get -o DPkg::Lock::Timeout=600 install -y -qq "${missing[@]}" >/dev/null
+    "$ROOT/scripts/apt-install.sh" "${missing[@]}"
     [ -n "$GO" ] || GO=$(command -v go)
   fi
 }
