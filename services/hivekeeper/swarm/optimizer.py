@@ -87,6 +87,8 @@ def make_collaborative_optimizer(
 
     averaging = spec.averaging
     aggregation = robust_aggregation(averaging)
+    group_options = averager_options(averaging_group_size(spec), averaging.matchmaking_seconds,
+                                     robust=aggregation is not None)
     grad_compression = compression(averaging.compression)
     optimizer = InstrumentedOptimizer(
         dht=dht,
@@ -109,12 +111,12 @@ def make_collaborative_optimizer(
         grad_averager_factory=partial(
             PlannedCountingGradientAverager, wire_bytes_per_element=WIRE_BYTES_PER_ELEMENT[averaging.compression],
             aggregation=aggregation,
-            # hivemind 1.1.12 passes averager_opts to the state averager only
-            **({"min_group_size": ROBUST_MIN_GROUP_SIZE} if aggregation is not None else {}),
+            # hivemind 1.1.12 passes averager_opts to the state averager only: without these, a
+            # gradient round never assembled a full group early and always waited out matchmaking
+            **group_options,
         ),
         state_aggregation=aggregation,  # parameters averaged every averageStateEvery steps
-        averager_opts=averager_options(averaging_group_size(spec), averaging.matchmaking_seconds,
-                                       robust=aggregation is not None),
+        averager_opts=group_options,
         tracker_opts=TRACKER_REFRESH,
         metrics=metrics,
         expected_peers=spec.trainers.replicas,  # the progress tracker counts trainers only

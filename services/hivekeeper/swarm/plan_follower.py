@@ -80,7 +80,7 @@ class PlanFollower:
             return self.plan
         self._last_error = None
         if self._applied != (plan.digest, plan.expires):
-            self.averager.set_plan(plan.shares(), plan.expires)
+            self.averager.set_plan(plan.shares(), plan.expires, group_size=plan.group_size)
             if self._applied is None or self._applied[0] != plan.digest:
                 mine = plan.assignment(self.peer_id)
                 log.info("following averaging plan", extra={"fields": {
