@@ -20,13 +20,15 @@ steps/s lost by rounding, and how far eq. 5's bound lies above the best realizab
 Scale: for n = 64 to 4,096, swarms written as the command's JSON input; per phase: the
 solve (`plan_averaging`), the baselines (all-reduce and parameter server), the whole command
 in this process (reading and validating the input, solve, baselines, group size, the table),
-and the command end to end in a fresh interpreter (imports included) with its CPU time.
+and the command end to end in a fresh interpreter (imports included) with its CPU time
+(medians of FRESH_REPEATS starts).
 
-    PYTHONPATH=services python bench/bench_averaging_plan.py
+    PYTHONPATH=services python bench/bench_averaging_plan.py [--scale-only]
 """
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import math
@@ -67,6 +69,7 @@ GAP_SIZES = (8, 16, 32)
 GAP_SWARMS = 10
 SCALE_SIZES = (64, 256, 1024, 4096)
 SCALE_SWARMS = 2
+FRESH_REPEATS = 3  # fresh interpreters per swarm
 COMMAND_TARGET_S = 2.0  # issue 20, at 1,024 peers
 SERVICES = str(Path(__file__).resolve().parent.parent / "services")
 
@@ -144,13 +147,18 @@ def write_input(problem: AveragingProblem, path: Path) -> str:
 
 
 def fresh_command(path: str) -> tuple[float, float]:
-    """Wall and CPU seconds of the command in a new interpreter, as a user runs it."""
+    """Wall and CPU seconds of the command in a new interpreter, as a user runs it: the medians
+    of FRESH_REPEATS runs (start-up is most of it, and the machine is shared)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [SERVICES, os.environ.get("PYTHONPATH")]))}
-    before, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    subprocess.run([sys.executable, "-m", "hivekeeper", "plan", "averaging", "--input", path],
-                   env=env, check=True, stdout=subprocess.DEVNULL)
-    wall, after = time.perf_counter() - wall, resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    walls, cpus = [], []
+    for _ in range(FRESH_REPEATS):
+        before, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+        subprocess.run([sys.executable, "-m", "hivekeeper", "plan", "averaging", "--input", path],
+                       env=env, check=True, stdout=subprocess.DEVNULL)
+        wall, after = time.perf_counter() - wall, resource.getrusage(resource.RUSAGE_CHILDREN)
+        walls.append(wall)
+        cpus.append((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def scale_run(n: int, seed: int, directory: Path) -> dict:
@@ -273,38 +281,65 @@ def print_scale(scale: list[dict]) -> None:
     print("(total: the whole command in this process; fresh: `python -m hivekeeper plan averaging` from start-up)")
 
 
-def main() -> None:
-    load = os.getloadavg()
-    timing_runs = [timing_run(n, seed) for n in SIZES for seed in range(REPEATS)]
-    gap_runs = [gap_run(n, seed) for n in GAP_SIZES for seed in range(GAP_SWARMS)]
+ANCHOR_DEDLOC = "DeDLOC: LP solved in under 50 ms, about twice a minute; aim n=64 well under 50 ms, n=256 under 1 s"
+ANCHOR_ISSUE_20 = "Issue 20: `hivekeeper plan averaging` took ~100 s at n=1024; aim under 2 s end to end, O(n^2)"
+
+
+def all_scale_runs() -> list[dict]:
     with tempfile.TemporaryDirectory() as directory, redirect_stdout(io.StringIO()):
         hivekeeper_main(["plan", "averaging", "--input", write_input(swarm(8, 0), Path(directory) / "warm.json")])
-        scale_runs = [scale_run(n, seed, Path(directory)) for n in SCALE_SIZES for seed in range(SCALE_SWARMS)]
+        return [scale_run(n, seed, Path(directory)) for n in SCALE_SIZES for seed in range(SCALE_SWARMS)]
+
+
+def scale_results(scale: list[dict], scale_runs: list[dict]) -> dict:
+    growth = {key: growth_exponent(scale, key)
+              for key in ("solve_cpu_ms", "baselines_cpu_ms", "command_cpu_ms", "fresh_cpu_s")}
+    return {"scale": scale, "scale_growth_exponent": growth, "scale_runs": scale_runs}
+
+
+def print_issue_20_anchor(scale: list[dict]) -> None:
+    big = {s["n"]: s for s in scale}[1024]
+    print(f"anchor: issue 20, the command took ~100 s at n=1024, aim < {COMMAND_TARGET_S:.0f} s and O(n^2); here "
+          f"n=1024 {big['command_ms'] / 1e3:.2f} s in process, {big['fresh_s']:.2f} s fresh "
+          f"({big['fresh_cpu_s']:.2f} s CPU); 1024 -> 4096 grows as "
+          f"n^{growth_exponent(scale, 'command_cpu_ms'):.2f} (CPU, in process)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scale-only", action="store_true",
+                        help="only the scale part (the whole command, n = 64..4,096); "
+                             "writes bench/results/averaging_plan_scale.json")
+    args = parser.parse_args()
+    load = os.getloadavg()
+    if args.scale_only:
+        scale_runs = all_scale_runs()
+        scale = scale_summary(scale_runs)
+        print_scale(scale)
+        print(f"\nload average {load[0]:.1f} on {os.cpu_count()} cores")
+        print_issue_20_anchor(scale)
+        write_results("averaging_plan_scale", ANCHOR_ISSUE_20, **scale_results(scale, scale_runs))
+        return
+    timing_runs = [timing_run(n, seed) for n in SIZES for seed in range(REPEATS)]
+    gap_runs = [gap_run(n, seed) for n in GAP_SIZES for seed in range(GAP_SWARMS)]
+    scale_runs = all_scale_runs()
     timing, gaps, scale = timing_summary(timing_runs), gap_summary(gap_runs), scale_summary(scale_runs)
     print_tables(timing, gaps)
     print()
     print_scale(scale)
     at = {s["n"]: s["plan_ms"] for s in timing}
-    big = {s["n"]: s for s in scale}[1024]
     print(f"\nanchor: DeDLOC solves in < 50 ms; plan here: n=64 {at[64]:.1f} ms, n=256 {at[256]:.1f} ms "
           f"(exact MILP up to {EXACT_MAX_PEERS} peers); load average {load[0]:.1f} on {os.cpu_count()} cores")
-    print(f"anchor: issue 20, the command took ~100 s at n=1024, aim < {COMMAND_TARGET_S:.0f} s and O(n^2); here "
-          f"n=1024 {big['command_ms'] / 1e3:.2f} s in process, {big['fresh_s']:.2f} s fresh "
-          f"({big['fresh_cpu_s']:.2f} s CPU); 1024 -> 4096 grows as "
-          f"n^{growth_exponent(scale, 'command_cpu_ms'):.2f} (CPU, in process)")
+    print_issue_20_anchor(scale)
     write_results(
         "averaging_plan",
-        "DeDLOC: LP solved in under 50 ms, about twice a minute; aim n=64 well under 50 ms, n=256 under 1 s. "
-        "Issue 20: `hivekeeper plan averaging` took ~100 s at n=1024; aim under 2 s end to end, O(n^2)",
+        f"{ANCHOR_DEDLOC}. {ANCHOR_ISSUE_20}",
         exact_max_peers=EXACT_MAX_PEERS,
         timing=timing,
         gap=gaps,
-        scale=scale,
-        scale_growth_exponent={key: growth_exponent(scale, key)
-                               for key in ("solve_cpu_ms", "baselines_cpu_ms", "command_cpu_ms", "fresh_cpu_s")},
+        **scale_results(scale, scale_runs),
         timing_runs=timing_runs,
         gap_runs=gap_runs,
-        scale_runs=scale_runs,
     )
 
 

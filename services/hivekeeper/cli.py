@@ -1,11 +1,17 @@
 """The `hivekeeper` command line. Each subcommand lives in `hivekeeper.commands.<name>`
-and registers itself; heavy imports (torch, hivemind) happen inside the handlers."""
+and registers itself; heavy imports (torch, hivemind) happen inside the handlers.
+
+A command line that names its command imports and registers only that command's module
+(`hivekeeper run`'s roles alone take half a second to register, and `plan averaging` should
+not pay for them); without one (`--help`, no arguments, a mistyped name) every command is
+registered, so the listing and the error name them all."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from typing import Optional, Sequence
 
 from hivekeeper import __version__
 from hivekeeper.errors import UserError
@@ -13,20 +19,28 @@ from hivekeeper.errors import UserError
 COMMANDS = ("up", "run", "status", "validate", "plan", "crds", "dashboards", "report", "invite", "join")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def named_command(argv: Sequence[str]) -> Optional[str]:
+    """The command `argv` runs, when its first argument is one (the top level takes no option
+    before it but --help and --version, which need every command or none)."""
+    return argv[0] if argv and argv[0] in COMMANDS else None
+
+
+def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    """The parser for `command` alone, or with every command registered."""
     parser = argparse.ArgumentParser(
         prog="hivekeeper",
         description="Run decentralized deep-learning swarms locally or in Kubernetes.",
     )
     parser.add_argument("--version", action="version", version=f"hivekeeper {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMANDS:
+    for name in (command,) if command else COMMANDS:
         importlib.import_module(f"hivekeeper.commands.{name}").register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(named_command(argv)).parse_args(argv)
     try:
         return int(args.handler(args) or 0)
     except UserError as e:

@@ -7,21 +7,18 @@ import json
 from typing import Annotated, Any, Optional
 
 from pydantic import Field
-from rich.console import Console
-from rich.table import Table
 
 from hivekeeper.errors import UserError
-from hivekeeper.inputs import load_input
+from hivekeeper.inputs import InputModel, load_input
 from hivekeeper.planning.averaging_lp import (AveragingPlan, AveragingProblem, PeerCapacity, Throughput,
                                               all_reduce_baseline, parameter_server_baseline, plan_averaging)
 from hivekeeper.planning.group_size import optimal_group_size
-from hivekeeper.spec.base import SpecModel
 
 Mbps = Annotated[float, Field(gt=0)]
 RICH_MAX_ROWS = 200  # rich lays a table out at about 1 ms a row; larger swarms get plain columns
 
 
-class PeerInput(SpecModel):
+class PeerInput(InputModel):
     name: str = Field(min_length=1)
     samples_per_second: float = Field(ge=0)
     upload_mbps: Mbps
@@ -29,7 +26,7 @@ class PeerInput(SpecModel):
     client_mode: bool = False
 
 
-class DilocoInput(SpecModel):
+class DilocoInput(InputModel):
     """Replicas that take DiLoCo outer steps (averaging.mode diloco) instead of gradient rounds."""
 
     inner_steps: int = Field(ge=1, description="H: local steps between outer rounds")
@@ -37,7 +34,7 @@ class DilocoInput(SpecModel):
     overlap: bool = Field(False, description="the outer all-reduce runs during the next inner steps")
 
 
-class AveragingInput(SpecModel):
+class AveragingInput(InputModel):
     target_batch_size: int = Field(gt=0)
     num_parameters: int = Field(gt=0)
     bytes_per_parameter: float = Field(default=4.0, gt=0)
@@ -96,6 +93,9 @@ def _plain_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...
 
 
 def _print_table(spec: AveragingInput, report: dict[str, Any]) -> None:
+    from rich.console import Console  # not for --json
+    from rich.table import Table
+
     console = Console()
     columns = ("peer", "samples/s", "up Mbps", "down Mbps", "computes", "share")
     rows = [(f"{peer.name} (client)" if peer.client_mode else peer.name, f"{peer.samples_per_second:g}",
@@ -142,6 +142,8 @@ def outer_rounds(spec: AveragingInput, problem: AveragingProblem, plan: Averagin
 
 
 def _print_outer_rounds(rounds: dict[str, Any]) -> None:
+    from rich.console import Console
+
     Console().print(
         f"DiLoCo: {rounds['replicas']} replicas, an outer round every {rounds['innerSteps']} inner steps: "
         f"{rounds['computeSeconds']:.3g} s computing + {rounds['averagingSeconds']:.3g} s averaging "
