@@ -42,6 +42,11 @@ class SwarmMetrics:
         self.averaging_round_duration = Histogram(
             "hivekeeper_averaging_round_duration_seconds",
             "Time from the start of an all-reduce to the averaged result", buckets=ROUND_SECONDS_BUCKETS, registry=r)
+        self.step_phase_seconds = gauge(
+            "hivekeeper_step_phase_seconds",
+            "Where this peer's recent collaborative steps spent their time (median of the last 16): "
+            "accumulate, wait (trigger to all-reduce), allreduce, after (optimizer step), step (the whole period)",
+            "phase")
         self.averaging_group_size = gauge(
             "hivekeeper_averaging_group_size", "Peers in this peer's latest averaging group")
         self.averaging_sent_bytes = counter(

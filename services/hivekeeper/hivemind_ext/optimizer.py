@@ -14,20 +14,22 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import hivemind
 import torch
+from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from hivekeeper.hivemind_ext import check_hivemind_version
-from hivekeeper.hivemind_ext.allreduce import CountingGradientAverager
+from hivekeeper.hivemind_ext.allreduce import CountingGradientAverager, PlannedAverager
 from hivekeeper.hivemind_ext.group_round import add_averages, bytes_sent, start_runner
 from hivekeeper.hivemind_ext.robust import CenteredClip, robust_runner
 from hivekeeper.metrics import SwarmMetrics
+from hivekeeper.training.step_clock import StepClock
 
 check_hivemind_version(__name__)
 
@@ -52,17 +54,33 @@ class BatchBoundTracker(ProgressTracker):
     def __init__(self, *args: Any, expected_peers: int = 1, gather_seconds: float = 60.0, **kwargs: Any):
         self.expected_peers = expected_peers
         self.gather_until = time.monotonic() + gather_seconds
+        self.groupmate_began: Callable[[], bool] = lambda: False  # set by the optimizer
         super().__init__(*args, **kwargs)
 
     @property
     def ready_to_update_epoch(self) -> bool:
-        if self.global_epoch > self.local_progress.epoch:
+        if self.global_epoch > self.local_progress.epoch or self.groupmate_began():
             return True
         gathering = self.global_progress.num_peers < self.expected_peers and time.monotonic() < self.gather_until
         return not gathering and self.global_progress.samples_accumulated >= self.target_batch_size
 
 
-class FiniteStateAverager(TrainingStateAverager):
+class _LoadedEpoch(DecentralizedAverager):
+    """Placed between TrainingStateAverager and DecentralizedAverager: records the epoch of the
+    state the latest `load_state_from_peers` downloaded (None if it got none). hivemind's
+    optimizer then overwrites the local epoch when it "catches up", and only this tells what
+    the parameters really are."""
+
+    loaded_epoch: Optional[int] = None
+
+    def load_state_from_peers(self, *args: Any, **kwargs: Any):
+        loaded = super().load_state_from_peers(*args, **kwargs)
+        epoch = loaded[0].get("epoch") if loaded is not None and isinstance(loaded[0], dict) else None
+        self.loaded_epoch = epoch if isinstance(epoch, int) else None
+        return loaded
+
+
+class FiniteStateAverager(TrainingStateAverager, _LoadedEpoch):
     """Refuses a non-finite parameter average (a group whose weights sum to 0 divides 0 by 0,
     as gradient averaging can) and keeps the local state instead; with `aggregation`, each
     part it aggregates is CenteredClip's center instead of the mean."""
@@ -85,7 +103,21 @@ class FiniteStateAverager(TrainingStateAverager):
                 self.sent_bytes.value += bytes_sent(self, group_info, sum(t.numel() for t in tensors),
                                                     kwargs["peer_fractions"], 4.0)
 
+    def step(self, *args: Any, averaging_round: bool = False, increment_epoch: bool = False, **kwargs: Any):
+        if averaging_round:  # hivemind averages the state of the epoch this call moves to
+            self._averaged_epoch = self.local_epoch + int(increment_epoch)
+        return super().step(*args, averaging_round=averaging_round, increment_epoch=increment_epoch, **kwargs)
+
     def _apply_averaging_results_(self):
+        """hivemind's, refusing two kinds of average. One that is not finite. And a stale one:
+        hivemind applies a background round's average whenever it has finished, and one that
+        finished after this peer's next optimizer step replaced that step's update with the
+        parameters from before it (an exact replica then differed from its groupmates by one
+        step's update, until later rounds pulled it back)."""
+        if self.local_epoch != getattr(self, "_averaged_epoch", self.local_epoch):
+            log.info("parameter average of an earlier step arrived late; keeping the local state",
+                     extra={"fields": {"averaged_epoch": self._averaged_epoch, "epoch": self.local_epoch}})
+            return
         with self.get_tensors() as averaged:
             finite = all(bool(torch.isfinite(tensor).all()) for tensor in averaged)
         if not finite:
@@ -97,6 +129,10 @@ class FiniteStateAverager(TrainingStateAverager):
 # hivemind names RPC handlers after the servicer's class: keep hivemind's name, so that peers
 # (the monitor's plain TrainingStateAverager too) meet and download state from this one
 FiniteStateAverager.__name__ = TrainingStateAverager.__name__
+
+
+EXACT_STATE_SECONDS = 30.0  # how long a loading peer insists on the collaboration's current step
+EXACT_STATE_RETRY = 0.25
 
 
 class InstrumentedOptimizer(hivemind.Optimizer):
@@ -111,7 +147,18 @@ class InstrumentedOptimizer(hivemind.Optimizer):
         self._bytes_seen = (0.0, 0.0)
         self.state_loads = 0
         self._check_average = self._rejected_average = False
+        self.clock = StepClock(time.time())  # where this peer's steps spend their time
+        self._out_of_sync = False  # its latest round failed: reload before computing again
+        self.stalled_seconds = 0.0  # in steps and state loads: the time this peer did not compute
+        self._accumulation: Optional[float] = None  # seconds this peer's latest step took to accumulate
         super().__init__(*args, **kwargs)
+        self.tracker.groupmate_began = self._groupmate_began
+
+    def _groupmate_began(self) -> bool:
+        """A member of this step's formed group began its all-reduce: step now (see
+        `PlannedAverager.groupmate_began`)."""
+        control, averager = self.scheduled_grads, self.grad_averager
+        return control is not None and isinstance(averager, PlannedAverager) and averager.groupmate_began(control)
 
     def set_computes_gradients(self, computes: bool) -> None:
         """Follow the averaging plan's c_i. A trainer told not to compute becomes an auxiliary
@@ -151,28 +198,87 @@ class InstrumentedOptimizer(hivemind.Optimizer):
         )
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
+        """hivemind's, but only the collaboration's current state will do. hivemind accepts a
+        state one step behind the global step and just renumbers it ("catching up"), so a
+        peer that joins or restarts while its donor is still finishing a step computes on the
+        previous parameters: its gradients then averaged with a step it never took, and in a
+        demo run with a restarted trainer most later rounds lost it. Here a state behind the
+        global step is downloaded again (its donor has usually finished the step by then),
+        for up to `EXACT_STATE_SECONDS`; after that hivemind's catching up stands."""
         self.state_loads += 1
         self.metrics.state_loads.inc()
+        began, deadline = time.perf_counter(), time.monotonic() + EXACT_STATE_SECONDS
         super().load_state_from_peers(**kwargs)
+        while True:
+            loaded = self.state_averager.loaded_epoch
+            if loaded is None or loaded >= self.tracker.global_epoch or time.monotonic() > deadline:
+                break
+            log.info("state one step behind the collaboration; loading it again",
+                     extra={"fields": {"loaded_epoch": loaded, "global_epoch": self.tracker.global_epoch}})
+            time.sleep(EXACT_STATE_RETRY)
+            self.state_averager.local_epoch = loaded  # undo the renumbering, or the next state is refused
+            super().load_state_from_peers(**kwargs)
+        if self._out_of_sync:
+            self._out_of_sync = False
+            self.state_averager.allow_state_sharing = not self.auxiliary
+        self.stalled_seconds += time.perf_counter() - began
+        self.clock.restart(time.time())
+
+    def _should_load_state_from_peers(self) -> bool:
+        return self._out_of_sync or super()._should_load_state_from_peers()
 
     def _update_global_epoch(self, grad_scaler) -> None:
         self._round_recorded = False
         epoch = self.local_epoch
+        self._accumulation = self.clock.triggered(time.time())
+        rounds_before, began = self._rounds_done(), time.perf_counter()
         super()._update_global_epoch(grad_scaler)
+        self.stalled_seconds += time.perf_counter() - began
         if self.use_gradient_averaging and not self._round_recorded:
             # hivemind steps alone (no all-reduce) when it sees no other peer
             self._record_round("skipped", 1, 0.0, epoch)
+        last = self.grad_averager.last_round if isinstance(self.grad_averager, PlannedAverager) else None
+        allreduce = (last.started, last.finished) if last is not None and last.rounds > rounds_before else None
+        self.clock.ended(time.time(), allreduce if self.last_round.get("outcome") == "success" else None)
+        if self.last_round.get("outcome") == "failure" and self.tracker.global_progress.num_peers > 1:
+            # hivemind stepped on this peer's local gradients: the others stepped on their group's
+            # average, and this replica no longer equals theirs. Take their state before the next
+            # batch, and share none meanwhile.
+            self._out_of_sync = True
+            self.state_averager.allow_state_sharing = False
+        if self.clock.median is not None:
+            for name, value in self.clock.median.to_json().items():
+                self.metrics.step_phase_seconds.labels(name).set(value)
+
+    def _rounds_done(self) -> int:
+        last = self.grad_averager.last_round if isinstance(self.grad_averager, PlannedAverager) else None
+        return last.rounds if last is not None else 0
 
     def _maybe_schedule_gradient_averaging(self) -> None:
-        """hivemind's, but not while this peer is alone. Alone, hivemind schedules a round
-        before each epoch's end only to cancel it at the end ("no other peers"), and a
-        cancel that races the averager's matchmaking can leave the averager's matchmaking
-        wedged: in 2 of about 10 runs of the volunteers suite the swarm's lone trainer,
-        its first scheduled round cancelled, never formed a group again ("could not find
-        a group" every round with the volunteer that joined later). With a second peer,
-        rounds are scheduled as hivemind does."""
-        if self.tracker.global_progress.num_peers > 1:
-            super()._maybe_schedule_gradient_averaging()
+        """hivemind's rule (look for a group once the step's end is under `matchmaking_time`
+        away), with the end also estimated from how long this peer's previous step took to
+        accumulate, and not while this peer is alone.
+
+        hivemind's estimate comes from the progress records alone, and right after a step it is
+        unknown until the next fetch: on a swarm whose steps accumulate in under a second, every
+        peer began matchmaking only when its step was due, and the round waited for the last
+        groupmate to find the group (0.4-0.8 s of a demo step). Begun early, the group is whole
+        when the batch is (see `PlannedAverager._step`).
+
+        Alone, hivemind schedules a round before each epoch's end only to cancel it at the end
+        ("no other peers"), and a cancel that races the averager's matchmaking can leave the
+        averager's matchmaking wedged: in 2 of about 10 runs of the volunteers suite the swarm's
+        lone trainer, its first scheduled round cancelled, never formed a group again ("could not
+        find a group" every round with the volunteer that joined later)."""
+        if self.tracker.global_progress.num_peers <= 1:
+            return
+        control = self.scheduled_grads
+        free = control is None or control.triggered or control.done()
+        if free and self._accumulation is not None:
+            if self.clock.accumulating_for(time.time()) + self.matchmaking_time >= self._accumulation:
+                self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
+                return
+        super()._maybe_schedule_gradient_averaging()
 
     def _load_averaged_gradients_into_optimizer_(self):
         """hivemind's, refusing an average that is not finite: hivemind divides a part's sum by

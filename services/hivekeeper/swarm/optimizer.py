@@ -40,6 +40,15 @@ def averaging_group_size(spec: SwarmSpec) -> int:
     return max(smallest, optimal_group_size(peers, spec.averaging.peer_failure_probability))
 
 
+NEVER = 2**31 - 1  # an averageStateEvery no run reaches
+
+
+def state_group_size(spec: SwarmSpec) -> int:
+    """The parameter-averaging group: the gradient group's size, of trainers only (auxiliaries
+    do not average parameters), so that a whole group assembles at once."""
+    return max(2, min(averaging_group_size(spec), spec.trainers.replicas))
+
+
 # how often a peer's progress record is refreshed in the DHT (hivemind's defaults are far slower)
 TRACKER_REFRESH = dict(min_refresh_period=0.25, max_refresh_period=2.0)
 
@@ -103,7 +112,9 @@ def make_collaborative_optimizer(
         next_chunk_timeout=chunk_timeout(averaging.matchmaking_seconds, averaging.timeout_seconds),
         delay_optimizer_step=averaging.delayed_parameter_updates,
         delay_grad_averaging=averaging.delayed_parameter_updates,
-        average_state_every=averaging.average_state_every,
+        # an auxiliary holds no parameters of its own to keep in line, and hivemind runs its state
+        # rounds in the foreground: each one held back its next gradient round (0.5 s of a demo step)
+        average_state_every=NEVER if auxiliary else averaging.average_state_every,
         auxiliary=auxiliary,
         client_mode=dht.client_mode,
         grad_compression=grad_compression,
@@ -116,7 +127,7 @@ def make_collaborative_optimizer(
             **group_options,
         ),
         state_aggregation=aggregation,  # parameters averaged every averageStateEvery steps
-        averager_opts=group_options,
+        averager_opts={**group_options, "target_group_size": state_group_size(spec)},
         tracker_opts=TRACKER_REFRESH,
         metrics=metrics,
         expected_peers=spec.trainers.replicas,  # the progress tracker counts trainers only

@@ -131,6 +131,7 @@ def _loop(ctx: SwarmContext, dht, opt, follower: PlanFollower, task, model, batc
             time.sleep(AGGREGATOR_POLL)
             continue
         trace.snapshot_if_changed(model)
+        began, stalled_before = time.perf_counter(), opt.stalled_seconds
         indices = next(batches)
         batch = task.to_device(task.train_batch(indices), device)
         loss = task.loss(model, batch)
@@ -154,7 +155,9 @@ def _loop(ctx: SwarmContext, dht, opt, follower: PlanFollower, task, model, batc
             epoch_losses.clear()
         metrics.samples.inc(batch_size)
         total_samples += batch_size
-        window.add(batch_size)
+        # the planner's s_i: samples per second of computing, not counting this peer's share of
+        # the step (averaging, optimizer step, state loads), which the plan models apart
+        window.add(batch_size, time.perf_counter() - began - (opt.stalled_seconds - stalled_before))
         metrics.local_step.set(opt.local_epoch)
         metrics.global_step.set(opt.tracker.global_epoch)
         if ctx.args.step_delay:
@@ -182,6 +185,7 @@ def _report(ctx: SwarmContext, dht, opt, follower: PlanFollower, step_loss: dict
         averagingBytesSent=round(opt.sent_bytes),
         lastRound=opt.last_round,
         computesGradients=computing,
+        stepPhases=opt.clock.median.to_json() if opt.clock.median else None,
         plan=follower.plan.digest if follower.plan else None,
         plannedRounds=follower.planned_rounds,
         **follower.report(),

@@ -33,16 +33,18 @@ def peer_seed(task_seed: int, index: int) -> int:
 
 class RateWindow:
     """Samples/s over the last `seconds` of finished batches (thread-safe: an ExpertPool trainer
-    finishes batches on several threads)."""
+    finishes batches on several threads). Batches added with the seconds spent computing them
+    give the rate of computing instead: samples over those seconds, whatever the peer did in
+    between (a Swarm trainer's averaging rounds)."""
 
     def __init__(self, seconds: float = 10.0):
         self.seconds = seconds
-        self._records: deque[tuple[float, int]] = deque()
+        self._records: deque[tuple[float, int, Optional[float]]] = deque()
         self._lock = threading.Lock()
 
-    def add(self, samples: int) -> None:
+    def add(self, samples: int, busy_seconds: Optional[float] = None) -> None:
         with self._lock:
-            self._records.append((time.monotonic(), samples))
+            self._records.append((time.monotonic(), samples, busy_seconds))
 
     def rate(self) -> float:
         horizon = time.monotonic() - self.seconds
@@ -50,8 +52,11 @@ class RateWindow:
             while self._records and self._records[0][0] < horizon:
                 self._records.popleft()
             records = list(self._records)
+        if records and all(busy is not None for *_, busy in records):
+            busy = sum(b for *_, b in records)
+            return sum(n for _, n, _ in records) / busy if busy > 0 else 0.0
         span = records[-1][0] - records[0][0] if len(records) > 1 else 0.0
-        return sum(n for _, n in records[1:]) / span if span > 0 else 0.0
+        return sum(n for _, n, _ in records[1:]) / span if span > 0 else 0.0
 
 
 class ReportCadence:
