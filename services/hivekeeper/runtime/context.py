@@ -134,6 +134,11 @@ class RoleContext(Generic[SpecT]):
             # where every address is private (AutoNAT dials back public ones only): say so
             **{"force_reachability": "private" if relays else None, **p2p_options},
         )
+        if args.initial_peers:  # a bootstrap peer that restarts learns of this one again
+            from hivekeeper.hivemind_ext.dht_rejoin import keep_bootstrap_peers
+            from hivekeeper.runtime.bandwidth import peer_ids_of
+
+            dht.run_coroutine(keep_bootstrap_peers(peer_ids_of(args.initial_peers)))
         if relays and not client_mode:  # others reach us through a circuit: dial them back directly
             from hivekeeper.hivemind_ext.p2pd import keep_direct_connections
 
