@@ -376,6 +376,27 @@ def test_command_predicts_dilocos_outer_rounds_on_the_same_peers(tmp_path, capsy
     assert "an outer round every 50 inner steps" in out and f"{max(25.0, all_reduce):.3g} s a round" in out
 
 
+def test_command_predicts_whole_steps_with_the_fixed_costs_a_swarm_measured(tmp_path, capsys):
+    """The LP's steps/s assume a round costs only its bytes; with the fixed costs (the balancer's
+    hivekeeper_plan_step_seconds), the prediction is compute + transfer + fixed, for the plan and
+    the baselines alike."""
+    fixed = {"lag": 0.06, "wait": 0.3, "roundTrips": 0.04, "after": 0.05}
+    document = {**BYTEPS_INPUT, "fixedSeconds": fixed}
+    assert main(["plan", "averaging", "--input", write_input(tmp_path, document), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    step = report["step"]
+    assert step["fixed"] == fixed and not step["overlap"]
+    assert step["seconds"] == pytest.approx(step["compute"] + step["transfer"] + 0.45, abs=1e-3)
+    assert report["predictedStepsPerSecond"] == pytest.approx(1 / step["seconds"], rel=1e-3)
+    assert report["predictedStepsPerSecond"] < report["stepsPerSecond"]
+    assert all("predictedStepsPerSecond" in b for b in report["baselines"].values())
+    document["overlap"] = True  # delayed parameter updates: the round hides behind the next batch
+    assert main(["plan", "averaging", "--input", write_input(tmp_path, document), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["predictedStepsPerSecond"] > report["predictedStepsPerSecond"]
+    assert main(["plan", "averaging", "--input", write_input(tmp_path, document)]) == 0
+    assert "fixed 0.45 s (lag 0.06, wait 0.3, roundTrips 0.04, after 0.05)" in capsys.readouterr().out
+
+
 def test_command_prints_plain_columns_for_a_large_swarm(tmp_path, capsys):
     many = {**BYTEPS_INPUT, "peers": [*BYTEPS_INPUT["peers"], *(
         {"name": f"edge-{k}", "samplesPerSecond": 1 + k % 7, "uploadMbps": 10 + k, "downloadMbps": 40}

@@ -244,7 +244,8 @@ def test_swarm_becomes_children_with_owner_references(cluster, client, start_ope
     status = running["status"]
     assert status["readyPeers"] == "7/7"
     assert status["samplesPerSecond"] == 1234.6
-    assert status["stepsPerSecond"] == 0.41 and status["plannedStepsPerSecond"] == 1.19
+    assert status["achievedStepsPerSecond"] == 0.41 and status["predictedStepsPerSecond"] == 1.19
+    assert status["efficiency"] == 0.34
     assert status["peersAlive"] == {"backbone": 1, "trainer": 3, "auxiliary": 1, "monitor": 1, "balancer": 1}
     assert status["trainers"] == {"desired": 3, "replicas": 3, "ready": 3}
     assert status["selector"] == "hivekeeper.dev/swarm=digits,hivekeeper.dev/component=trainer"

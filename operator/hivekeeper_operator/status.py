@@ -157,8 +157,8 @@ def model_figures(kind: str, reading: dict[str, Any] | None, previous: dict[str,
 def monitor_figures(kind: str, reading: dict[str, Any] | None, previous: dict[str, Any], now: str) -> dict[str, Any]:
     """A Swarm monitor's /status, rounded (a status write per digit would be churn), with the
     balancer's planned rate; the last reading stays while the monitor does not answer."""
-    keys = ("globalStep", "samplesPerSecond", "stepsPerSecond", "plannedStepsPerSecond", "outerSteps", "loss",
-            "evalMetrics", "peersAlive")
+    keys = ("globalStep", "samplesPerSecond", "achievedStepsPerSecond", "predictedStepsPerSecond", "efficiency",
+            "outerSteps", "loss", "evalMetrics", "peersAlive")
     if not reading:
         return {k: previous[k] for k in keys + ("lastMonitorUpdate",) if k in previous}
 
@@ -169,12 +169,15 @@ def monitor_figures(kind: str, reading: dict[str, Any] | None, previous: dict[st
     for key in ("globalStep", "outerSteps"):
         if isinstance(reading.get(key), int) and not isinstance(reading[key], bool):
             figures[key] = max(0, reading[key])
-    planned = (reading.get("plan") or {}).get("stepsPerSecond") if isinstance(reading.get("plan"), dict) else None
+    predicted = (reading.get("plan") or {}).get("stepsPerSecond") if isinstance(reading.get("plan"), dict) else None
+    achieved = reading.get("achievedStepsPerSecond", reading.get("stepsPerSecond"))  # an earlier monitor says the latter
     for key, value, digits in (("samplesPerSecond", reading.get("samplesPerSecond"), 1),
-                               ("stepsPerSecond", reading.get("stepsPerSecond"), 4),
-                               ("plannedStepsPerSecond", planned, 4)):
+                               ("achievedStepsPerSecond", achieved, 4),
+                               ("predictedStepsPerSecond", predicted, 4)):
         if number(value):
             figures[key] = round(max(0.0, float(value)), digits)
+    if figures.get("predictedStepsPerSecond") and "achievedStepsPerSecond" in figures:
+        figures["efficiency"] = round(figures["achievedStepsPerSecond"] / figures["predictedStepsPerSecond"], 2)
     if number(reading.get("loss")):
         figures["loss"] = round(float(reading["loss"]), 6)
     if isinstance(reading.get("evalMetrics"), dict):

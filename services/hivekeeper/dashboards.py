@@ -152,6 +152,21 @@ AVERAGING = Dashboard(
         Panel("Planned vs achieved steps/s",
               (Target(f"max by (swarm) (hivekeeper_plan_steps_per_second * {BALANCER})", "planned"),
                Target(f"max by (swarm) (deriv(hivekeeper_global_step[$__rate_interval]) * {MONITOR})", "achieved"))),
+        Panel("Efficiency (achieved / predicted steps/s)",
+              (Target(f"max by (swarm) (deriv(hivekeeper_global_step[$__rate_interval]) * {MONITOR}) / "
+                      f"max by (swarm) (hivekeeper_plan_steps_per_second * {BALANCER})", "{{swarm}}"),),
+              unit="percentunit", kind="stat",
+              description="under 0.5 for long: something the plan does not model (failed rounds, state loads, "
+                          "restarts); the panel beside it shows where a predicted step's time goes"),
+        Panel("Predicted step by part",
+              (Target(f"max by (part) (hivekeeper_plan_step_seconds * {BALANCER})", "{{part}}"),), unit="s",
+              description="compute and transfer from the LP; lag, wait, roundTrips and after measured by the "
+                          "computing peers (the parts that do not scale with the vector)"),
+        Panel("Step phases by trainer",
+              (Target(f"hivekeeper_step_phase_seconds{{phase!=\"step\"}} * {identity('swarm, peer', role='trainer')}",
+                      "{{peer}} {{phase}}"),), unit="s",
+              description="median of each trainer's recent steps: accumulate, wait (trigger to all-reduce), "
+                          "allreduce, after (optimizer step)"),
         Panel("Aggregation share by peer",
               (Target(f"max by (peer) (hivekeeper_plan_aggregation_share * {BALANCER})", "{{peer}}"),),
               unit="percentunit"),

@@ -73,6 +73,10 @@ class SwarmMetrics:
             "Gradient vectors/s the plan's aggregators can average")
         self.plan_averaging_seconds = gauge(
             "hivekeeper_plan_averaging_seconds", "Time to average one gradient vector under the plan")
+        self.plan_step_seconds = gauge(
+            "hivekeeper_plan_step_seconds",
+            "The plan's predicted time per step by part: compute, transfer, and the fixed costs the peers "
+            "measure (lag, wait, roundTrips, after)", "part")
         self.plan_solve_seconds = gauge("hivekeeper_plan_solve_seconds", "Time the latest plan took to solve")
         self.plan_updated = gauge(
             "hivekeeper_plan_last_update_timestamp_seconds",

@@ -100,7 +100,9 @@ def _from_monitor(args: argparse.Namespace) -> int:
         raise UserError(f"{run_dir}: no monitor answers and no summary.json: is the run up?")
     summary = json.loads(summary_path.read_text())
     print(json.dumps(summary, indent=2) if args.json else
-          f"{run_dir}: {summary['state']} at step {summary['globalStep']}, metrics {summary['metrics']}")
+          f"{run_dir}: {summary['state']} at step {summary['globalStep']}, metrics {summary['metrics']}"
+          + (f", {summary['achievedStepsPerSecond']} steps/s against {summary['predictedStepsPerSecond']} predicted "
+             f"(efficiency {summary['efficiency']})" if summary.get("efficiency") is not None else ""))
     return 0
 
 
@@ -145,6 +147,9 @@ def status_table(name: str, status: dict[str, Any]) -> Table:
         rows.append(("last averaging", describe_round(status["lastRound"])))
     if "plan" in status:
         rows.append(("averaging plan", describe_plan(status["plan"], status.get("stepsPerSecond"))))
+    if status.get("efficiency") is not None:
+        rows.append(("efficiency", f"{status['efficiency']:.2f} (achieved {status['achievedStepsPerSecond']:.3f} "
+                                   f"/ predicted {status['predictedStepsPerSecond']:.3f} steps/s)"))
     if "expertRequests" in status:
         requests = status["expertRequests"]
         rows += [("experts alive", str(status.get("expertsAlive", "-"))),

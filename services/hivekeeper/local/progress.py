@@ -38,17 +38,55 @@ def describe_round(last_round: Optional[dict[str, Any]]) -> str:
 
 
 def describe_plan(plan: Optional[dict[str, Any]], achieved: Optional[float]) -> str:
-    """The balancer's plan in one line: predicted vs achieved steps/s, its bound, the roles."""
+    """The balancer's plan in one line: predicted vs achieved steps/s (efficiency), where a
+    predicted step's time goes, the roles."""
     if not plan:
         return "-"
-    unbounded = not plan["aggregationBound"]  # nothing to exchange: a lone trainer
-    bound = "compute" if unbounded or plan["computeBound"] <= plan["aggregationBound"] else "aggregation"
+    predicted = plan["stepsPerSecond"]
+    efficiency = f" (efficiency {achieved / predicted:.2f})" if achieved is not None and predicted else ""
+    text = f"{predicted:.3f} steps/s predicted, achieved {_fmt(achieved, '.3f')}{efficiency}; "
+    step = plan.get("step")
+    if step:  # the full model: compute, transfer and the fixed costs the peers measured
+        fixed = step["fixed"]
+        text += (f"a step {step['seconds']:.3f} s = compute {step['compute']:.3f} + transfer {step['transfer']:.3f}"
+                 f" + fixed {sum(fixed.values()):.3f} ({', '.join(f'{k} {v:.3f}' for k, v in fixed.items())}); ")
+    else:
+        unbounded = not plan["aggregationBound"]  # nothing to exchange: a lone trainer
+        bound = "compute" if unbounded or plan["computeBound"] <= plan["aggregationBound"] else "aggregation"
+        text += f"{bound}-bound, fixed costs not measured yet; "
     aggregators = [p for p in plan["peers"] if p["share"] > 0]
     only = [p["name"] for p in plan["peers"] if not p["computesGradients"]]
-    text = (f"{plan['stepsPerSecond']:.3f} steps/s predicted ({bound}-bound), achieved {_fmt(achieved, '.3f')}; "
-            f"{len(aggregators)} aggregators, shares "
-            + " ".join(f"{p['name']}={p['share']:.2f}" for p in aggregators))
+    text += f"{len(aggregators)} aggregators, shares " + " ".join(f"{p['name']}={p['share']:.2f}" for p in aggregators)
     return text + (f"; aggregate only: {', '.join(only)}" if only else "")
+
+
+LOW_EFFICIENCY = 0.5
+LOW_EFFICIENCY_SECONDS = 60.0
+
+
+class EfficiencyWatch:
+    """Warns once the swarm has achieved under half the plan's steps/s for a minute, naming the
+    largest cost of the plan's step (issue 20: a gap nobody explains reads as a broken product)."""
+
+    def __init__(self) -> None:
+        self.low_since: Optional[float] = None
+
+    def warning(self, status: Optional[dict[str, Any]], now: float) -> Optional[str]:
+        efficiency = (status or {}).get("efficiency")
+        if efficiency is None or efficiency >= LOW_EFFICIENCY:
+            self.low_since = None
+            return None
+        self.low_since = self.low_since if self.low_since is not None else now
+        if now - self.low_since < LOW_EFFICIENCY_SECONDS:
+            return None
+        step = (status.get("plan") or {}).get("step")
+        cost = ""
+        if step:
+            parts = {"compute": step["compute"], "transfer": step["transfer"], **step["fixed"]}
+            name, seconds = max(parts.items(), key=lambda item: item[1])
+            cost = f"; the plan's largest cost per step is {name} ({seconds:.3f} s of {step['seconds']:.3f} s)"
+        return (f"efficiency {efficiency:.2f}: the swarm has made under {LOW_EFFICIENCY:.0%} of the plan's steps/s "
+                f"for {now - self.low_since:.0f} s{cost} (restarts, failed rounds and state loads are not in the plan)")
 
 
 class ProgressView:
@@ -62,6 +100,7 @@ class ProgressView:
         self._last_line = 0.0
         self.started = time.monotonic()
         self.seen_status = False  # the monitor answered once: silence after that is the run ending
+        self.efficiency = EfficiencyWatch()
 
     def __enter__(self) -> "ProgressView":
         if self.interactive:
@@ -75,11 +114,14 @@ class ProgressView:
 
     def update(self, status: Optional[dict[str, Any]]) -> None:
         self.seen_status = self.seen_status or bool(status)
+        warning = self.efficiency.warning(status, time.monotonic()) if status else None
         if self._live is not None:
-            self._live.update(self._render(status))
+            self._live.update(self._render(status, warning))
         elif time.monotonic() - self._last_line >= 5.0:
             self._last_line = time.monotonic()
             self.console.print(self._line(status), highlight=False, soft_wrap=True)
+            if warning:
+                self.console.print(f"warning: {warning}", style="yellow", highlight=False, soft_wrap=True)
 
     def _line(self, status: Optional[dict[str, Any]]) -> str:
         elapsed = time.monotonic() - self.started
@@ -92,7 +134,9 @@ class ProgressView:
             f"{status.get('samplesPerSecond', 0):.0f} samples/s  peers {sum(peers.values())}  "
             f"eval@{status.get('evalStep')} {evals or '-'}  restarts {self.supervisor.restarts}"
             + (f"  outer steps {status['outerSteps']}" if status.get("outerSteps") is not None else "")
+            + (f"  {status['achievedStepsPerSecond']:.3f} steps/s" if status.get("achievedStepsPerSecond") else "")
             + (f"  plan {status['plan']['stepsPerSecond']:.3f} steps/s" if status.get("plan") else "")
+            + (f"  efficiency {status['efficiency']:.2f}" if status.get("efficiency") is not None else "")
         )
 
     def _waiting(self) -> str:
@@ -107,7 +151,7 @@ class ProgressView:
         states = [child.state for child in self.supervisor.children]
         return ", ".join(f"{states.count(s)} {s}" for s in sorted(set(states)))
 
-    def _render(self, status: Optional[dict[str, Any]]) -> Group:
+    def _render(self, status: Optional[dict[str, Any]], warning: Optional[str] = None) -> Group:
         summary = Table.grid(padding=(0, 2))
         summary.add_column(style="bold")
         summary.add_column()
@@ -124,6 +168,10 @@ class ProgressView:
             if status.get("averagingBytesSentPerTrainer") is not None:
                 summary.add_row("sent per trainer", f"{status['averagingBytesSentPerTrainer'] / 1e6:.1f} MB")
             summary.add_row("averaging plan", describe_plan(status.get("plan"), status.get("stepsPerSecond")))
+            if status.get("efficiency") is not None:
+                summary.add_row("efficiency", f"{status['efficiency']:.2f} (achieved / predicted steps/s)")
+            if warning:
+                summary.add_row("warning", f"[yellow]{warning}[/yellow]")
             evals = ", ".join(f"{k} {v:.4f}" for k, v in (status.get("evalMetrics") or {}).items())
             summary.add_row("held-out", f"{evals or '-'} (step {status.get('evalStep')})")
         else:

@@ -9,7 +9,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from rich.console import Console
 
@@ -111,6 +111,7 @@ def build_summary(manifest: Manifest, run_dir: Path, supervisor: Supervisor, sta
     history = _history(run_dir)
     rates = [entry["samplesPerSecond"] for entry in history if entry.get("samplesPerSecond")]
     plan = next((entry["plan"] for entry in reversed(history) if entry.get("plan")), None)
+    achieved, predicted = step_rates(history)
     return {
         "name": manifest.metadata.name,
         "kind": manifest.kind,
@@ -123,6 +124,10 @@ def build_summary(manifest: Manifest, run_dir: Path, supervisor: Supervisor, sta
         "samplesPerSecond": round(statistics.median(rates), 1) if rates else None,
         "checkpoint": result.get("checkpoint"),
         "plan": plan,  # the balancer's last averaging plan, as the monitor saw it
+        # global steps/s over the training (first step to last), against the plans' median prediction
+        "achievedStepsPerSecond": achieved,
+        "predictedStepsPerSecond": predicted,
+        "efficiency": round(achieved / predicted, 3) if achieved is not None and predicted else None,
         "losses": result.get("losses", {}),
         "processes": {
             child.role.name: {
@@ -134,6 +139,19 @@ def build_summary(manifest: Manifest, run_dir: Path, supervisor: Supervisor, sta
             for child in supervisor.children
         },
     }
+
+
+def step_rates(history: list[dict[str, Any]]) -> tuple[Optional[float], Optional[float]]:
+    """A run's achieved global steps/s, from its first step to its last (the monitor's history),
+    and the median of what the plans predicted meanwhile; None where there is too little."""
+    steps = [(e["elapsedSeconds"], e["globalStep"]) for e in history if (e.get("globalStep") or 0) > 0]
+    last = next((i for i in range(len(steps) - 1, 0, -1) if steps[i][1] > steps[i - 1][1]), None)
+    if last is None or steps[last][0] - steps[0][0] < 5.0:
+        return None, None
+    (t0, s0), (t1, s1) = steps[0], steps[last]
+    predictions = [e["plan"]["stepsPerSecond"] for e in history
+                   if t0 <= e.get("elapsedSeconds", -1) <= t1 and (e.get("plan") or {}).get("stepsPerSecond")]
+    return round((s1 - s0) / (t1 - t0), 4), round(statistics.median(predictions), 4) if predictions else None
 
 
 def _history(run_dir: Path) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ from hivekeeper.inputs import InputModel, load_input
 from hivekeeper.planning.averaging_lp import (AveragingPlan, AveragingProblem, PeerCapacity, Throughput,
                                               all_reduce_baseline, parameter_server_baseline, plan_averaging)
 from hivekeeper.planning.group_size import optimal_group_size
+from hivekeeper.planning.step_time import FixedCosts, predict_step
 
 Mbps = Annotated[float, Field(gt=0)]
 RICH_MAX_ROWS = 200  # rich lays a table out at about 1 ms a row; larger swarms get plain columns
@@ -34,6 +35,16 @@ class DilocoInput(InputModel):
     overlap: bool = Field(False, description="the outer all-reduce runs during the next inner steps")
 
 
+class FixedSecondsInput(InputModel):
+    """What a step costs beyond compute and transfer, in seconds (a running swarm's balancer
+    measures these: `hivekeeper_plan_step_seconds`)."""
+
+    lag: float = Field(0.0, ge=0, description="until peers see that the global batch is complete")
+    wait: float = Field(0.0, ge=0, description="from a peer's trigger to its all-reduce")
+    round_trips: float = Field(0.0, ge=0, description="the all-reduce's time beyond its bytes")
+    after: float = Field(0.0, ge=0, description="the optimizer step and the rest of a step")
+
+
 class AveragingInput(InputModel):
     target_batch_size: int = Field(gt=0)
     num_parameters: int = Field(gt=0)
@@ -42,6 +53,8 @@ class AveragingInput(InputModel):
     peers: list[PeerInput] = Field(min_length=1)
     links: dict[str, dict[str, Mbps]] = Field(default_factory=dict)
     diloco: Optional[DilocoInput] = None  # also predict DiLoCo's outer rounds on these peers
+    fixed_seconds: Optional[FixedSecondsInput] = None  # predict whole steps (planning/step_time.py)
+    overlap: bool = False  # delayed parameter updates: a round runs while the next batch computes
 
 
 def _load(path: str) -> AveragingInput:
@@ -65,21 +78,33 @@ def _load(path: str) -> AveragingInput:
     return spec
 
 
-def _rates(throughput: Throughput) -> dict[str, float]:
-    return {"stepsPerSecond": throughput.steps_per_second, "averagingSeconds": throughput.averaging_seconds}
+def _rates(throughput: Throughput, fixed: Optional[FixedCosts] = None, overlap: bool = False) -> dict[str, Any]:
+    """The LP's steps/s and averaging time; with fixed costs, also the whole step's prediction."""
+    rates: dict[str, Any] = {"stepsPerSecond": throughput.steps_per_second,
+                             "averagingSeconds": throughput.averaging_seconds}
+    if fixed is not None:
+        step = predict_step(throughput.compute_bound, throughput.aggregation_bound, fixed, overlap)
+        rates.update(predictedStepsPerSecond=step.steps_per_second, step=step.to_json())
+    return rates
+
+
+def _fixed(spec: AveragingInput) -> Optional[FixedCosts]:
+    f = spec.fixed_seconds
+    return None if f is None else FixedCosts(lag=f.lag, wait=f.wait, round_trips=f.round_trips, after=f.after)
 
 
 def _report(spec: AveragingInput, plan: AveragingPlan, group_size: int,
             baselines: dict[str, Throughput]) -> dict[str, Any]:
     roles = {role.name: role for role in plan.peers}
+    fixed = _fixed(spec)
     return {
-        **_rates(plan),
+        **_rates(plan, fixed, spec.overlap),
         "peers": [{"name": peer.name, "computesGradients": roles[peer.name].computes_gradients,
                    "aggregationShare": roles[peer.name].aggregation_share} for peer in spec.peers],  # the input's order
         "groupSize": group_size,
         "solveSeconds": plan.solve_seconds,
         "method": plan.method,
-        "baselines": {name: _rates(throughput) for name, throughput in baselines.items()},
+        "baselines": {name: _rates(throughput, fixed, spec.overlap) for name, throughput in baselines.items()},
     }
 
 
@@ -113,12 +138,20 @@ def _print_table(spec: AveragingInput, report: dict[str, Any]) -> None:
     strategies = Table(show_header=True)
     for column in ("strategy", "steps/s", "averaging s", "plan speedup"):
         strategies.add_column(column, justify="left" if column == "strategy" else "right")
-    ours = report["stepsPerSecond"]
+    key = "predictedStepsPerSecond" if "step" in report else "stepsPerSecond"  # with fixed costs: whole steps
+    ours = report[key]
     rows = [("this plan", report), *((name, rates) for name, rates in report["baselines"].items())]
     for name, rates in rows:
-        steps, seconds = rates["stepsPerSecond"], rates["averagingSeconds"]
+        steps, seconds = rates[key], rates["averagingSeconds"]
         strategies.add_row(name, f"{steps:.4g}", f"{seconds:.3g}", f"{ours / steps:.2f}x")
     console.print(strategies)
+    if "step" in report:
+        step = report["step"]
+        console.print(f"a step {step['seconds']:.4g} s: compute {step['compute']:.4g} + transfer "
+                      f"{step['transfer']:.4g} + fixed {sum(step['fixed'].values()):.4g} s "
+                      f"({', '.join(f'{k} {v:.3g}' for k, v in step['fixed'].items())})"
+                      + (", the round overlapping the next batch" if step["overlap"] else ""), highlight=False,
+                      soft_wrap=True)
     console.print(f"group size {report['groupSize']} of {len(spec.peers)} peers; "
                   f"solved by {report['method']} in {report['solveSeconds'] * 1e3:.1f} ms")
 

@@ -90,9 +90,12 @@ class SwarmStatus(ResourceStatus):
     peers_alive: dict[str, int] = Field(default_factory=dict, description="peers reporting in the DHT, by role")
     global_step: Optional[int] = Field(None, ge=0, description="the collaboration's optimizer step (monitor)")
     samples_per_second: Optional[float] = Field(None, ge=0, description="collaboration throughput (monitor)")
-    steps_per_second: Optional[float] = Field(None, ge=0, description="optimizer steps/s over the last minute (monitor)")
-    planned_steps_per_second: Optional[float] = Field(
+    achieved_steps_per_second: Optional[float] = Field(
+        None, ge=0, description="optimizer steps/s over the last minute (monitor)")
+    predicted_steps_per_second: Optional[float] = Field(
         None, ge=0, description="steps/s the balancer's current averaging plan predicts")
+    efficiency: Optional[float] = Field(
+        None, ge=0, description="achieved / predicted steps/s: under 0.5 for long, something the plan does not model")
     outer_steps: Optional[int] = Field(
         None, ge=0, description="replicas that train alone: DiLoCo outer steps (merges in modes parameters, ties)")
     loss: Optional[float] = None
@@ -177,8 +180,9 @@ register_kind(KindInfo(
         PrinterColumn("Trainers", "integer", ".status.trainers.ready", "ready trainer pods", priority=1),
         PrinterColumn("Step", "integer", ".status.globalStep", "global optimizer step"),
         PrinterColumn("Samples/s", "number", ".status.samplesPerSecond", "collaboration throughput"),
-        PrinterColumn("Plan steps/s", "number", ".status.plannedStepsPerSecond",
-                      "steps/s the averaging plan predicts", priority=1),
+        PrinterColumn("Steps/s", "number", ".status.achievedStepsPerSecond", "optimizer steps/s achieved",
+                      priority=1),
+        PrinterColumn("Efficiency", "number", ".status.efficiency", "achieved / predicted steps/s", priority=1),
         AGE,
     ),
     preserve_unknown=frozenset({"task.options"})

@@ -28,6 +28,7 @@ from hivekeeper.planning.averaging_lp import (
     throughput_of,
 )
 from hivekeeper.planning.group_size import optimal_group_size
+from hivekeeper.planning.step_time import FixedCosts, StepTime, fixed_costs, predict_step
 from hivekeeper.runtime.reports import read_peer_reports
 from hivekeeper.spec.swarm import SwarmSpec
 from hivekeeper.swarm.role import SwarmContext, load_swarm_context
@@ -42,6 +43,7 @@ from hivekeeper.swarm.metrics_source import (
 from hivekeeper.hivemind_ext.allreduce import plan_digest
 from hivekeeper.swarm.optimizer import WIRE_BYTES_PER_ELEMENT
 from hivekeeper.swarm.plan_record import PeerAssignment, SignedPlan, load_signing_key, publish_plan
+from hivekeeper.training.step_clock import StepPhases
 
 log = logging.getLogger("hivekeeper.balancer")
 AVERAGING_ROLES = ("trainer", "auxiliary")
@@ -115,6 +117,20 @@ def drifted(old: AveragingProblem, new: AveragingProblem, threshold: float) -> O
     return None
 
 
+def predicted_step(throughput: Throughput, phases: Sequence[StepPhases], overlap: bool) -> Optional[StepTime]:
+    """The plan's step with the fixed costs its computing peers measured; None before any has."""
+    step = predict_step(throughput.compute_bound, throughput.aggregation_bound, FixedCosts(), overlap)
+    fixed = fixed_costs(phases, step.compute, step.transfer)
+    return None if fixed is None else replace(step, fixed=fixed)
+
+
+def with_step(plan: SignedPlan, step: Optional[StepTime]) -> SignedPlan:
+    """`plan` predicting `step` (its steps/s the full model's), or the LP's figures alone."""
+    if step is None:
+        return replace(plan, step=None)
+    return replace(plan, step=step.to_json(), steps_per_second=_finite(step.steps_per_second))
+
+
 def signed_plan(swarm: str, inputs: PlanInputs, plan: AveragingPlan, issued: float, ttl: float,
                 failure_probability: float = 0.0) -> SignedPlan:
     peers = tuple(sorted((PeerAssignment(peer_id=role.name, name=inputs.names[role.name],
@@ -152,6 +168,7 @@ class Balancer:
         self.plan: Optional[SignedPlan] = None
         self.solve_seconds = 0.0
         self.plans_made = 0
+        self.step_time: Optional[StepTime] = None
 
     def source(self, dht) -> MetricsSource:
         url = self.ctx.spec.balancer.prometheus_url
@@ -220,6 +237,12 @@ class Balancer:
                                 compute_bound=_finite(current.compute_bound),
                                 aggregation_bound=_finite(current.aggregation_bound),
                                 averaging_seconds=_finite(current.averaging_seconds))
+        computing = {p.peer_id for p in self.plan.peers if p.computes_gradients}
+        phases = [ph for r in reports if r.get("peerId") in computing
+                  and (ph := StepPhases.from_json(r.get("stepPhases"))) is not None]
+        self.step_time = predicted_step(self.current_throughput(inputs), phases,
+                                        overlap=self.ctx.spec.averaging.delayed_parameter_updates)
+        self.plan = with_step(self.plan, self.step_time)
         publish_plan(dht, self.plan, self.key)
         self.export(inputs)
 
@@ -246,6 +269,10 @@ class Balancer:
         metrics.plan_compute_bound.set(plan.compute_bound)
         metrics.plan_aggregation_bound.set(plan.aggregation_bound)
         metrics.plan_averaging_seconds.set(plan.averaging_seconds)
+        metrics.plan_step_seconds.clear()
+        if self.step_time is not None:
+            for part, seconds in self.step_time.parts().items():
+                metrics.plan_step_seconds.labels(part).set(_finite(seconds))
         metrics.plan_solve_seconds.set(self.solve_seconds)
         metrics.plan_updated.set(time.time())
         metrics.plan_share.clear()

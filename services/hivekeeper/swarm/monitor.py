@@ -44,6 +44,7 @@ class Monitor:
         self.losses: dict[int, float] = {}
         self.history = open(self.run_dir / "history.jsonl", "a", buffering=1)
         self.steps_seen: list[tuple[float, int]] = []  # (time, global step), the last minute
+        self.samples_seen: list[tuple[float, int]] = []  # (time, samples of all trainers), the last minute
         self.outer_steps: int | None = None  # replicas that train alone: the most any trainer took
 
     def run(self) -> int:
@@ -99,15 +100,19 @@ class Monitor:
         last_round = max(rounds, key=lambda r: r.get("time", 0), default=None)
         alive = Counter(r["role"] for r in reports)
         alive["monitor"] = max(alive.get("monitor", 0), 1)
-        samples_per_second = sum(r.get("samplesPerSecond") or 0.0 for r in trainers if r.get("computesGradients", True))
+        samples = sum(r.get("samples") or 0 for r in trainers)
+        plan = self.read_plan()
+        achieved = self.steps_per_second(global_step)
+        predicted = plan["stepsPerSecond"] if plan and plan.get("stepsPerSecond") else None
         snapshot = {
             "time": time.time(),
             "elapsedSeconds": round(time.time() - self.started, 1),
             "globalStep": global_step,
             "loss": self.losses.get(latest_loss_step) if latest_loss_step is not None else None,
             "lossStep": latest_loss_step,
-            "samplesPerSecond": samples_per_second,
-            "samples": sum(r.get("samples") or 0 for r in trainers),
+            # achieved over the last minute (the trainers' own samples/s count computing time only)
+            "samplesPerSecond": self.samples_per_second(samples),
+            "samples": samples,
             # what a trainer has sent in averaging rounds or merges, on average (the wire's cost)
             "averagingBytesSentPerTrainer": round(sum(sent) / len(sent)) if (sent := [
                 r["averagingBytesSent"] for r in trainers if isinstance(r.get("averagingBytesSent"), (int, float))]) else None,
@@ -118,12 +123,15 @@ class Monitor:
             "evalStep": self.eval_step,
             "evalMetrics": self.eval_metrics,
             "checkpointStep": self.checkpoint_step,
-            "stepsPerSecond": self.steps_per_second(global_step),
-            "plan": self.read_plan(),
+            "stepsPerSecond": achieved,  # kept for readers of earlier runs' histories
+            "achievedStepsPerSecond": achieved,
+            "predictedStepsPerSecond": predicted,
+            "efficiency": round(achieved / predicted, 3) if achieved is not None and predicted else None,
+            "plan": plan,
         }
         metrics = self.ctx.metrics
         metrics.global_step.set(global_step)
-        metrics.collaboration_samples_per_second.set(samples_per_second)
+        metrics.collaboration_samples_per_second.set(snapshot["samplesPerSecond"])
         if snapshot["loss"] is not None:
             metrics.loss.set(snapshot["loss"])
         for role in ("backbone", "trainer", "auxiliary", "monitor", "balancer"):
@@ -136,10 +144,11 @@ class Monitor:
 
     def steps_per_second(self, global_step: int) -> float | None:
         """Achieved optimizer steps/s over the last minute, to hold against the plan's prediction."""
-        now = time.time()
-        self.steps_seen = [(t, s) for t, s in self.steps_seen if t >= now - 60.0] + [(now, global_step)]
-        (t0, s0), (t1, s1) = self.steps_seen[0], self.steps_seen[-1]
-        return round((s1 - s0) / (t1 - t0), 4) if t1 - t0 >= 5.0 else None
+        return _rate_over_last_minute(self.steps_seen, global_step, 4)
+
+    def samples_per_second(self, samples: int) -> float:
+        """The collaboration's samples/s over the last minute (0 until 5 s have passed)."""
+        return _rate_over_last_minute(self.samples_seen, samples, 1) or 0.0
 
     def read_plan(self) -> dict[str, Any] | None:
         """The balancer's current plan, as peers see it (verified), for people and the operator."""
@@ -208,3 +217,12 @@ class Monitor:
             result["outerSteps"] = self.outer_steps
         (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
         log.info("run finished", extra={"fields": result | {"losses": len(self.losses)}})
+
+
+def _rate_over_last_minute(seen: list[tuple[float, float]], value: float, digits: int) -> float | None:
+    """Appends (now, value) to `seen`, drops what is older than a minute, and returns the rate
+    of `value` over what is left (None until it spans 5 s)."""
+    now = time.time()
+    seen[:] = [(t, v) for t, v in seen if t >= now - 60.0] + [(now, value)]
+    (t0, v0), (t1, v1) = seen[0], seen[-1]
+    return round((v1 - v0) / (t1 - t0), digits) if t1 - t0 >= 5.0 else None

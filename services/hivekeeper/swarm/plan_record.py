@@ -51,6 +51,9 @@ class SignedPlan:
     averaging_seconds: float
     group_size: int
     peers: tuple[PeerAssignment, ...]
+    # the predicted step split into compute, transfer and fixed parts (planning/step_time.py);
+    # None until the peers have measured their steps: steps_per_second is then the LP's alone
+    step: Optional[dict[str, Any]] = None
 
     def shares(self) -> dict[str, float]:
         return {peer.peer_id: peer.share for peer in self.peers}
@@ -63,7 +66,7 @@ class SignedPlan:
             "version": FORMAT_VERSION, "swarm": self.swarm, "digest": self.digest, "issued": self.issued,
             "expires": self.expires, "stepsPerSecond": self.steps_per_second, "computeBound": self.compute_bound,
             "aggregationBound": self.aggregation_bound, "averagingSeconds": self.averaging_seconds,
-            "groupSize": self.group_size,
+            "groupSize": self.group_size, "step": self.step,
             "peers": [{"peerId": p.peer_id, "name": p.name, "computesGradients": p.computes_gradients,
                        "share": p.share} for p in self.peers],
         }
@@ -79,7 +82,7 @@ class SignedPlan:
                        expires=float(data["expires"]), steps_per_second=float(data["stepsPerSecond"]),
                        compute_bound=float(data["computeBound"]), aggregation_bound=float(data["aggregationBound"]),
                        averaging_seconds=float(data["averagingSeconds"]), group_size=int(data["groupSize"]),
-                       peers=peers)
+                       peers=peers, step=data.get("step") if isinstance(data.get("step"), dict) else None)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, PlanRecordError):
                 raise
