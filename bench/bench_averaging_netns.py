@@ -46,6 +46,13 @@ reducer's result stream ends one or two parts short ("sent 29 parts, but we expe
 with no error logged at either end, the receiver a peer with a slow download; it has hit the
 equal, hivemind and plan splits alike, so it does not come from the plan's shares.
 
+Steps. Issue 20 asks for predicted against achieved steps/s (efficiency) here too. A round is
+a step whose batches are all ready at once (no compute): from the command that triggers every
+peer to the last peer's average. Its prediction is the planner's transfer time for the
+arrangement plus the fixed costs (`planning/step_time.py`) measured in the warm-up rounds as a
+swarm's peers measure them (the wait before the all-reduce, the all-reduce's time beyond the
+prediction for the warm-up's split) and held against every other arrangement.
+
 Transport. Planned rounds (plan, equal, server) run hivekeeper's runner, which keeps each
 flow's unanswered parts within a window so that the answers clock the uploads (see
 `hivekeeper.hivemind_ext.allreduce`, "Flow window"); the hivemind arrangement runs
@@ -91,6 +98,7 @@ from hivekeeper.planning.averaging_lp import (  # noqa: E402
     plan_for_roles,
     throughput_of,
 )
+from hivekeeper.planning.step_time import FixedCosts, predict_step  # noqa: E402
 from hivekeeper.runtime.bandwidth import PROBE_BYTES, Rates  # noqa: E402
 from hivekeeper.hivemind_ext.allreduce import shares_by_peer_id  # noqa: E402
 
@@ -277,9 +285,9 @@ def probe_all(workers: list[Worker], peer_ids: list[str], size: int) -> list[Rat
 
 def run_round(workers: list[Worker], network: Network, args, index: int, arrangement: str,
               shares: dict | None, declared_mbps: list[float], warmup: bool) -> dict:
-    command = {"cmd": "round", "round": index, "scheduled_time": time.time() + args.matchmaking_seconds,
-               "shares": shares}
     counters = network.sent_bytes()
+    sent = time.time()
+    command = {"cmd": "round", "round": index, "scheduled_time": sent + args.matchmaking_seconds, "shares": shares}
     for worker, rate in zip(workers, declared_mbps):
         worker.send({**command, "bandwidth": rate if arrangement == "hivemind" else None})
     replies = [worker.receive(timeout=args.round_timeout) for worker in workers]
@@ -293,6 +301,10 @@ def run_round(workers: list[Worker], network: Network, args, index: int, arrange
     payload = payload_bytes([reply["elements"] for reply in replies], args.numel)
     return {"arrangement": arrangement, "warmup": warmup,
             "seconds": max(r["finished"] for r in replies) - min(r["started"] for r in replies),
+            # a step of a swarm whose batches are all ready at once: from the peers' trigger (the
+            # command) to the last peer's average; its fixed part is the wait before the all-reduce
+            "stepSeconds": max(r["finished"] for r in replies) - sent,
+            "waitSeconds": min(r["started"] for r in replies) - sent,
             # hivemind can finish a round with parts missing (it logs "received 98% results" and
             # keeps the local values there); the worker logs show why (allreduceFailures)
             "exact": max_error < 1e-4, "maxError": max_error,
@@ -384,6 +396,13 @@ def run(args) -> dict:
         problems = {"declared": declared_problem, "measured": measured_problem}
         predictions = {arrangement: {inputs: predicted_seconds(problem, fractions[arrangement])
                                      for inputs, problem in problems.items()} for arrangement in ARRANGEMENTS}
+        # the fixed costs of a step, measured in the warm-up rounds (hivemind's equal split) as a
+        # swarm's peers measure them, then held against the other arrangements (planning/step_time.py)
+        fixed = FixedCosts(wait=statistics.median(r["waitSeconds"] for r in warmup),
+                           round_trips=statistics.median(max(0.0, r["seconds"] - predictions["equal"]["measured"])
+                                                         for r in warmup))
+        print(f"fixed costs from the warm-up: wait {fixed.wait:.2f} s, round trips {fixed.round_trips:.2f} s",
+              flush=True)
 
         by_id = dict(zip(names, peer_ids))
         shares = {"plan": shares_by_peer_id(plan, by_id),
@@ -406,7 +425,14 @@ def run(args) -> dict:
         timed = [r for r in rounds if r["arrangement"] == arrangement]
         # every round counts, exact or not: a swarm's peer cannot tell them apart either
         median = statistics.median(r["seconds"] for r in timed)
+        step = predict_step(0.0, 1 / predictions[arrangement]["measured"], fixed, overlap=False)  # no compute here
+        achieved_step = statistics.median(r["stepSeconds"] for r in timed)
         summary[arrangement] = {
+            "stepSeconds": achieved_step,
+            "predictedStepSeconds": step.transfer + fixed.total,
+            "achievedStepsPerSecond": 1 / achieved_step,
+            "predictedStepsPerSecond": 1 / (step.transfer + fixed.total),
+            "efficiency": (step.transfer + fixed.total) / achieved_step,
             "medianSeconds": median,
             "minSeconds": min(r["seconds"] for r in timed),
             "maxSeconds": max(r["seconds"] for r in timed),
@@ -455,6 +481,7 @@ def run(args) -> dict:
         "inputs": {name: {"declared": declared[k], "probe": pair(probes[k]), "warmup": pair(achieved[k]),
                           "warmupWire": pair(wire[k]), "measured": pair(measured[k])}
                    for k, name in enumerate(names)},
+        "fixedCosts": fixed.to_json(),
         "summary": summary,
         "allreduceFailures": allreduce_failures(Path(args.log_dir), len(names)),
         "rounds": warmup + rounds,
@@ -493,6 +520,16 @@ def print_table(result: dict) -> None:
     print("tc rates / from the measured inputs; /decl, /meas: the measured median over each;")
     print("plan speedup: the arrangement's median round time over the plan's; inexact: rounds in which")
     print("hivemind lost a part (all rounds count in the medians).")
+    print()
+    fixed = result["fixedCosts"]
+    print(f"Steps (batches ready at once; fixed costs from the warm-up: wait {fixed['wait']:.2f} s, "
+          f"round trips {fixed['roundTrips']:.2f} s)")
+    header = f"{'arrangement':12s}{'predicted steps/s':>19s}{'achieved steps/s':>18s}{'efficiency':>12s}"
+    print(header)
+    print("-" * len(header))
+    for arrangement, row in result["summary"].items():
+        print(f"{arrangement:12s}{row['predictedStepsPerSecond']:19.4f}{row['achievedStepsPerSecond']:18.4f}"
+              f"{row['efficiency']:12.2f}")
 
 
 def main() -> None:
@@ -504,7 +541,7 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=2_000_000)
     parser.add_argument("--part-bytes", type=int, default=2**15, help="hivemind's part size (its default: 2**19)")
     parser.add_argument("--rounds", type=int, default=8, help="measured rounds per arrangement")
-    parser.add_argument("--warmup", type=int, default=1, help="rounds on hivemind's split before the plan")
+    parser.add_argument("--warmup", type=int, default=2, help="rounds on hivemind's split before the plan")
     parser.add_argument("--probe-bytes", type=int, default=PROBE_BYTES, help="each way, per peer's probe")
     parser.add_argument("--arrangements", nargs="+", choices=ARRANGEMENTS, default=list(ARRANGEMENTS))
     parser.add_argument("--matchmaking-seconds", type=float, default=3.0)
