@@ -24,21 +24,21 @@ REJOIN_SECONDS = 10.0
 _pinging: list[asyncio.Task] = []  # in the DHT's process
 
 
-def keep_bootstrap_peers(peer_ids: Sequence[str]):
-    """For `DHT.run_coroutine`: from now on, ping these peers every `REJOIN_SECONDS`."""
-    return partial(_start, peer_ids=tuple(peer_ids))
+def keep_bootstrap_peers(peer_ids: Sequence[str], period: float = REJOIN_SECONDS):
+    """For `DHT.run_coroutine`: from now on, ping these peers every `period` seconds."""
+    return partial(_start, peer_ids=tuple(peer_ids), period=period)
 
 
-async def _start(_dht, node, peer_ids: tuple[str, ...]) -> None:
+async def _start(_dht, node, peer_ids: tuple[str, ...], period: float) -> None:
     peers = [PeerID.from_base58(p) for p in peer_ids]
     peers = [p for p in peers if p != node.peer_id]
     if peers and not _pinging:
-        _pinging.append(asyncio.create_task(_ping_forever(node, peers)))
+        _pinging.append(asyncio.create_task(_ping_forever(node, peers, period)))
 
 
-async def _ping_forever(node, peers: list[PeerID]) -> None:
+async def _ping_forever(node, peers: list[PeerID], period: float) -> None:
     while True:
-        await asyncio.sleep(REJOIN_SECONDS)
+        await asyncio.sleep(period)
         for peer in peers:
             try:
                 await node.protocol.call_ping(peer)
