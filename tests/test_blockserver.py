@@ -12,6 +12,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -280,6 +281,106 @@ def test_prompt_tuning_and_lora_through_servers_lower_loss_and_leave_weights_unc
     finally:
         close(dht_a, model_a)
         close(dht_b, model_b)
+
+
+def _paths(sequence: RemoteSequence) -> set[str]:
+    return {entry["via"] for entry in sequence.hop_log}
+
+
+@pytest.mark.timeout(240)
+def test_generation_over_the_direct_path_and_through_p2pd_equal_local(swarm, no_leaked_p2pd):
+    servers = [s for s in swarm.online() if s.name.startswith("block-server")]
+    assert all(s.direct.startswith("127.0.0.1:") and s.version == protocol.PROTOCOL_VERSION for s in servers)
+    expected = local_generate(swarm.manifest.spec.model, PROMPT, 12)
+    for direct, path in ((True, "direct"), (False, "p2pd")):
+        dht, model = swarm.client(direct=direct)
+        try:
+            model.sequence.hop_log = []
+            assert torch.equal(model.generate(PROMPT, 12), expected)
+            assert _paths(model.sequence) == {path}
+        finally:
+            close(dht, model)
+
+
+@pytest.mark.timeout(240)
+def test_a_direct_port_that_does_not_answer_falls_back_to_p2pd(swarm, no_leaked_p2pd, monkeypatch):
+    """Three ways an announced direct address fails: nothing listens there (refused), something
+    listens and never answers (the hello times out), another server answers (its peer ID)."""
+    import socket
+
+    refusing, silent = socket.socket(), socket.socket()
+    refusing.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()  # the kernel accepts; nobody speaks
+    servers = [s for s in swarm.online() if s.name.startswith("block-server")]
+    first = next(s for s in servers if s.start == 0)
+    wrong = {s.peer_id: {0: f"127.0.0.1:{refusing.getsockname()[1]}", 2: f"127.0.0.1:{silent.getsockname()[1]}",
+                         4: first.direct}[s.start] for s in servers}
+    read_servers = protocol.read_servers
+    monkeypatch.setattr(protocol, "read_servers", lambda dht, run_id: [
+        replace(s, direct=wrong.get(s.peer_id, s.direct)) for s in read_servers(dht, run_id)])
+    dht, model = swarm.client()
+    try:
+        model.sequence.hop_log = []
+        tokens = model.generate(PROMPT, 8)
+        assert torch.equal(tokens, local_generate(swarm.manifest.spec.model, PROMPT, 8))
+        assert _paths(model.sequence) == {"p2pd"}
+        assert model.sequence.failovers == 0  # a path that does not answer is no failure of its server
+        assert not any(model.sequence.direct.reachable(peer, target) for peer, target in wrong.items())
+    finally:
+        close(dht, model)
+        refusing.close()
+        silent.close()
+
+
+def _gated(out, peers: list[str], run_id: str, manifest_path: str) -> None:
+    """In a process that admits peers by token: neither a server's direct port nor a client's use of one."""
+    import hivemind
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from hivekeeper.blocks.server import open_direct
+    from hivekeeper.hivemind_ext.admission import install, installed_gate
+    from test_admission import credentials
+
+    install(credentials(RSAPrivateKey()))
+    try:
+        server, announced = open_direct("QmSelf", lambda kind, data: b"", "127.0.0.1", None, False)
+        dht = hivemind.DHT(initial_peers=peers, client_mode=True, start=True)
+        try:
+            sequence = RemoteSequence(dht, run_id, BLOCKS, HIDDEN)
+            model = RemoteCausalLM(load_manifest(manifest_path).spec.model, sequence)
+            sequence.hop_log = []
+            tokens = model.generate(PROMPT, 6)
+            out.put({"server": server is None and announced == "", "client_direct": sequence.direct,
+                     "paths": sorted(_paths(sequence)), "tokens": tokens.tolist()})
+            sequence.close()
+        finally:
+            dht.shutdown()
+    except Exception as e:  # noqa: BLE001 (reported to the test)
+        out.put({"error": f"{type(e).__name__}: {e}"})
+    finally:
+        import shutil
+
+        shutil.rmtree(installed_gate().admitted.directory, ignore_errors=True)
+
+
+@pytest.mark.timeout(240)
+def test_with_admission_on_the_direct_path_is_never_opened_nor_used(swarm, no_leaked_p2pd):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    process = ctx.Process(target=_gated, args=(out, swarm.peers, swarm.run_id, str(swarm.manifest_path)))
+    process.start()
+    try:
+        result = out.get(timeout=180)
+    finally:
+        process.join(20)
+        if process.is_alive():
+            process.kill()
+    assert "error" not in result, result
+    assert result["server"] and result["client_direct"] is None and result["paths"] == ["p2pd"]
+    assert torch.equal(torch.tensor(result["tokens"]), local_generate(swarm.manifest.spec.model, PROMPT, 6))
 
 
 @pytest.mark.timeout(240)

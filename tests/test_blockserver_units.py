@@ -245,3 +245,44 @@ def test_static_cache_runs_blocks_it_cannot_fuse(tmp_path):
     assert static.runner.fused is None
     for args in [("s", torch.randn(1, 4, 64), 0, 4, 20), ("s", torch.randn(1, 1, 64), 0, 4, None)]:
         torch.testing.assert_close(static.inference_step(*args), dynamic.inference_step(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_the_direct_address_is_an_optional_field_of_protocol_1_1():
+    info = server("a", 0, 2)
+    assert info.version == "hivekeeper-blocks/1.1" and info.direct == ""
+    older = {k: v for k, v in info.to_record().items() if k != "direct"} | {"version": "hivekeeper-blocks/1"}
+    assert ServerInfo.from_record(older).direct == ""  # a 1.0 server: p2pd only
+    record = info.to_record() | {"direct": "10.0.0.7:41234"}
+    assert ServerInfo.from_record(record).direct == "10.0.0.7:41234"
+
+
+def test_the_direct_client_checks_who_answers_and_leaves_bad_addresses_alone():
+    """gRPC alone (no peers): the hello names the server's peer ID; a wrong peer, a refused port
+    and a silent one mean "use p2pd" (None), noted for a while; a failure after hello is the server's."""
+    import socket
+
+    from hivekeeper.blocks.direct import DirectCallError, DirectClient, DirectServer
+
+    served = DirectServer("QmServer", lambda kind, data: kind.encode() + b" " + data, "127.0.0.1")
+    client = DirectClient(connect_timeout=0.5)
+    target = f"127.0.0.1:{served.port}"
+    refusing, silent = socket.socket(), socket.socket()
+    refusing.bind(("127.0.0.1", 0))
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    try:
+        assert client.call("QmServer", target, "inference", b"step", 5.0) == b"inference step"
+        assert client.call("QmSomeoneElse", target, "inference", b"step", 5.0) is None
+        for address in (refusing, silent):
+            bad = f"127.0.0.1:{address.getsockname()[1]}"
+            assert client.call("QmServer2", bad, "forward", b"x", 5.0) is None
+            assert not client.reachable("QmServer2", bad)
+        assert client.reachable("QmServer", target) and not client.reachable("QmSomeoneElse", target)
+        served.stop()
+        with pytest.raises(DirectCallError, match="unavailable"):
+            client.call("QmServer", target, "inference", b"step", 5.0)
+    finally:
+        client.close()
+        served.stop()
+        refusing.close()
+        silent.close()

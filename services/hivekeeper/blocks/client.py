@@ -24,6 +24,7 @@ from torch import nn
 from hivekeeper.blocks import protocol
 from hivekeeper.blocks.arch import architecture_of
 from hivekeeper.blocks.checkpoint import load_client_model, load_model, serving_device, serving_dtype
+from hivekeeper.blocks.direct import DirectCallError, DirectClient, admission_on
 from hivekeeper.blocks.protocol import ServerInfo
 from hivekeeper.blocks.routing import Hop, NoRouteError, fastest_chain, throughput_chain
 from hivekeeper.spec.blockserver import ModelSpec
@@ -54,7 +55,9 @@ class RemoteSequence:
     DHT records, routing, and RPC calls with clear errors."""
 
     def __init__(self, dht, run_id: str, num_blocks: int, hidden_size: int, compression: str = "none",
-                 request_timeout: float = 30.0, route_wait: float = 60.0, seed: int = 0):
+                 request_timeout: float = 30.0, route_wait: float = 60.0, seed: int = 0, direct: bool = True):
+        """`direct`: call servers on their direct port where they announce one and it answers
+        (direct.py; never where this process admits peers by token), else through p2pd."""
         from hivemind.dht.node import Blacklist
         from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
         from hivemind.p2p.p2p_daemon_bindings.control import MAX_UNARY_PAYLOAD_SIZE
@@ -67,28 +70,54 @@ class RemoteSequence:
         self._worker = RemoteExpertWorker
         self._p2p = RemoteExpertWorker.run_coroutine(dht.replicate_p2p())
         self._servers: list[ServerInfo] = []
+        self._by_peer: dict[str, ServerInfo] = {}
         self._refreshed = 0.0
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servers")  # background reads
+        self._pending = None  # a background read in flight
+        self.direct = DirectClient() if direct and not admission_on() else None
         # servers that failed, avoided with exponential backoff; a server that answers well is forgiven
         self.banned = Blacklist(base_time=BAN_SECONDS, backoff_rate=BAN_BACKOFF)
         self._ban_lock = threading.Lock()  # the parts of a batch run on threads of their own
         self.rtt: dict[str, float] = {}
         self.rng = random.Random(seed)
         self.failovers = 0
-        # Set to a list to record every call_hop: {start, end, rpc_ms, encode_ms, call_ms, and
-        # the server's handler_ms / compute_ms / gpu_ms from its reply} (benchmarks' breakdown).
+        # Set to a list to record every call_hop: {start, end, via (direct or p2pd), tokens, rpc_ms,
+        # encode_ms, call_ms, and the server's handler_ms / queue_ms / compute_ms / gpu_ms from
+        # its reply} (benchmarks' breakdown).
         self.hop_log: Optional[list[dict]] = None
+        self._via = threading.local()  # the path the calling thread's last call took
 
     def close(self) -> None:
-        """Close this process's handle on the DHT's p2pd (before the DHT itself shuts down)."""
+        """Close the direct connections and this process's handle on the DHT's p2pd (before
+        the DHT itself shuts down)."""
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        if self.direct is not None:
+            self.direct.close()
         self._worker.run_coroutine(self._p2p.shutdown())
 
     # --- what the DHT says -----------------------------------------------------------------
 
     def servers(self, refresh: bool = False) -> list[ServerInfo]:
-        if refresh or time.monotonic() - self._refreshed > REFRESH_SECONDS:
-            self._servers = protocol.read_servers(self.dht, self.run_id)
-            self._refreshed = time.monotonic()
+        """The servers' records. A view older than REFRESH_SECONDS is returned as it is while a
+        fresh one is read in the background (a DHT read costs milliseconds that a new session's
+        first token need not wait for); `refresh`, and the first call, wait for a fresh read."""
+        pending = self._pending
+        if pending is not None and pending.done():
+            self._pending = None
+            try:
+                self._adopt(pending.result())
+            except Exception as e:  # noqa: BLE001 (the DHT's errors: keep the view, read again later)
+                log.debug("reading the servers failed", extra={"fields": {"why": f"{type(e).__name__}: {e}"}})
+        if refresh or not self._refreshed:
+            self._adopt(protocol.read_servers(self.dht, self.run_id))
+        elif time.monotonic() - self._refreshed > REFRESH_SECONDS and self._pending is None:
+            self._pending = self._reader.submit(protocol.read_servers, self.dht, self.run_id)
         return self._servers
+
+    def _adopt(self, servers: list[ServerInfo]) -> None:
+        self._by_peer = {s.peer_id: s for s in servers}
+        self._servers = servers
+        self._refreshed = time.monotonic()
 
     def ban(self, peer_id: str, reason: str, failover: bool = False) -> None:
         """Avoid a server for a while; `failover`: it failed a call, which goes on elsewhere."""
@@ -134,15 +163,11 @@ class RemoteSequence:
     # --- calls -----------------------------------------------------------------------------
 
     def call(self, method: str, peer_id: str, request, timeout: Optional[float] = None):
-        from hivemind.p2p import PeerID
-
-        from hivekeeper.blocks.server import BlockServicer
-
-        stub = BlockServicer.get_stub(self._p2p, PeerID.from_base58(peer_id))
-        try:
-            response = self._worker.run_coroutine(getattr(stub, method)(request, timeout=timeout or self.request_timeout))
-        except Exception as e:  # down, timed out, crashed: the caller decides what to do next
-            raise ServerError(_explain(e)) from None
+        """`method` (rpc_KIND) on a server: over its direct port if it has one this client
+        reaches, else through p2pd. ServerError if it failed or refused."""
+        response = self._call_direct(method, peer_id, request, timeout)
+        if response is None:
+            response = self._call_p2pd(method, peer_id, request, timeout)
         try:
             error = protocol.read_error(response)
         except Exception as e:  # msgpack's errors, or a malformed reason
@@ -150,6 +175,38 @@ class RemoteSequence:
         if error is not None:
             raise ServerError(error[1], code=error[0])
         return response
+
+    def _call_direct(self, method: str, peer_id: str, request, timeout: Optional[float]):
+        """The reply over the direct path; None where there is none to this server."""
+        from hivemind.proto import runtime_pb2
+
+        server = self._by_peer.get(peer_id)
+        if self.direct is None or server is None or not server.direct:
+            return None
+        try:
+            data = self.direct.call(peer_id, server.direct, method.removeprefix("rpc_"), request.SerializeToString(),
+                                    timeout or self.request_timeout)
+        except DirectCallError as e:
+            raise ServerError(str(e)) from None
+        if data is None:
+            return None
+        self._via.name = "direct"
+        try:
+            return runtime_pb2.ExpertResponse.FromString(data)
+        except Exception as e:  # noqa: BLE001 (protobuf's DecodeError)
+            raise ServerError(f"undecodable reply: {type(e).__name__}") from None
+
+    def _call_p2pd(self, method: str, peer_id: str, request, timeout: Optional[float]):
+        from hivemind.p2p import PeerID
+
+        from hivekeeper.blocks.server import BlockServicer
+
+        stub = BlockServicer.get_stub(self._p2p, PeerID.from_base58(peer_id))
+        self._via.name = "p2pd"
+        try:
+            return self._worker.run_coroutine(getattr(stub, method)(request, timeout=timeout or self.request_timeout))
+        except Exception as e:  # down, timed out, crashed: the caller decides what to do next
+            raise ServerError(_explain(e)) from None
 
     def call_hop(self, kind: str, hop: Hop, tensors: Sequence[torch.Tensor], metadata: dict,
                  expect: tuple[int, ...]) -> torch.Tensor:
@@ -165,10 +222,11 @@ class RemoteSequence:
             raise ServerError(f"undecodable reply: {e}") from None
         if self.hop_log is not None:
             served = protocol.read_metadata(response)
-            self.hop_log.append({"kind": kind, "start": hop.start, "end": hop.end,
+            self.hop_log.append({"kind": kind, "start": hop.start, "end": hop.end, "via": self._via.name,
+                                 "tokens": int(tensors[0].shape[1]) if tensors and tensors[0].dim() == 3 else 0,
                                  "rpc_ms": 1000 * (time.perf_counter() - began),
                                  "encode_ms": 1000 * (sent - began), "call_ms": 1000 * (answered - sent),
-                                 **{k: served[k] for k in ("compute_ms", "gpu_ms", "handler_ms")
+                                 **{k: served[k] for k in ("compute_ms", "gpu_ms", "handler_ms", "queue_ms")
                                     if isinstance(served.get(k), float)}})
         if len(outputs) != 1 or tuple(outputs[0].shape) != expect or not torch.isfinite(outputs[0]).all():
             shapes = [tuple(t.shape) for t in outputs]

@@ -19,8 +19,9 @@ PLAN_KEY = "_blockplan"  # the balancer's span assignment
 RECORD_EXPIRATION = 20.0  # seconds a server's record lives without a refresh
 # "NAME/MAJOR[.MINOR]": a minor version only adds fields (older peers ignore them); a new major
 # changes what existing fields mean, and peers of another major ignore each other's records.
-PROTOCOL_NAME, PROTOCOL_MAJOR = "hivekeeper-blocks", 1
-PROTOCOL_VERSION = f"{PROTOCOL_NAME}/{PROTOCOL_MAJOR}"
+# 1.1 adds `direct`.
+PROTOCOL_NAME, PROTOCOL_MAJOR, PROTOCOL_MINOR = "hivekeeper-blocks", 1, 1
+PROTOCOL_VERSION = f"{PROTOCOL_NAME}/{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 
 
 class ServerState(str, Enum):
@@ -62,6 +63,9 @@ class ServerInfo:
     cache_tokens_left: int
     version: str = PROTOCOL_VERSION
     time: float = 0.0
+    # "host:port" where the server also answers block calls directly over gRPC (direct.py), for
+    # clients that can reach it; "" (and in records of 1.0 servers): through p2pd only
+    direct: str = ""
 
     def to_record(self) -> dict[str, Any]:
         return {**asdict(self), "state": ServerState(self.state).value}

@@ -21,6 +21,8 @@ from hivemind.proto import runtime_pb2
 from hivekeeper.blocks import protocol
 from hivekeeper.blocks.backend import BlockRequestError, SpanBackend
 from hivekeeper.blocks.checkpoint import load_span, num_blocks, serving_device, serving_dtype
+from hivekeeper.blocks.direct import DirectServer, admission_on
+from hivekeeper.blocks.direct import address as direct_address
 from hivekeeper.blocks.metrics import REQUEST_KINDS
 from hivekeeper.blocks.protocol import JOINING, OFFLINE, ONLINE, ErrorCode, ServerInfo
 from hivekeeper.blocks.quantize import quantize_weights
@@ -37,7 +39,8 @@ JOIN_ROUNDS = 4
 
 
 class BlockServicer(ServicerBase):
-    """The RPC surface. Every handler answers, or refuses with a reply whose metadata holds
+    """The RPC surface, the same through p2pd and the direct path (direct.py): `handle` answers
+    every kind of call on the compute thread, or refuses with a reply whose metadata holds
     {"error": {"code", "message"}} (protocol.make_error: one line, read without parsing an
     exception's text); nothing a client sends can take the server down. Compute runs on one
     thread, in arrival order."""
@@ -51,6 +54,52 @@ class BlockServicer(ServicerBase):
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """The span held; with metadata {"digest": true}, also a hash of its weights (to show
         that fine-tuning through this server leaves them as they were)."""
+        return await self._on_compute("info", request)
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self._on_compute("forward", request)
+
+    async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self._on_compute("backward", request)
+
+    async def rpc_inference(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self._on_compute("inference", request)
+
+    async def rpc_close(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return await self._on_compute("close", request)
+
+    async def _on_compute(self, kind: str, request: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
+        entered = time.perf_counter()
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self.handle, kind, request, entered)
+
+    def handle_bytes(self, kind: str, data: bytes) -> bytes:
+        """A call from the direct path (on one of gRPC's threads): handled on the compute thread."""
+        entered = time.perf_counter()
+        return self.pool.submit(self._handle_bytes, kind, data, entered).result()
+
+    def _handle_bytes(self, kind: str, data: bytes, entered: float) -> bytes:
+        try:
+            request = runtime_pb2.ExpertRequest.FromString(data)
+        except Exception as e:  # noqa: BLE001 (protobuf's DecodeError, or anything a stranger sends)
+            return self._refuse(kind, ErrorCode.REFUSED, f"{kind}: malformed request: {type(e).__name__}").SerializeToString()
+        return self.handle(kind, request, entered).SerializeToString()
+
+    def handle(self, kind: str, request: runtime_pb2.ExpertRequest, entered: Optional[float] = None,
+               ) -> runtime_pb2.ExpertResponse:
+        """One call, on the compute thread: decode, run, encode. `entered`: when it arrived (the
+        reply's handler_ms counts from then: queueing included)."""
+        entered = entered or time.perf_counter()
+        try:
+            if kind == "info":
+                return self._info(request)
+            if kind == "close":
+                return self._close(request)
+            return self._serve(kind, request, entered, _RUNS[kind])
+        except Exception as e:  # noqa: BLE001 (a bug must not take the server down)
+            log.exception("request failed", extra={"fields": {"kind": kind}})
+            return self._refuse(kind, ErrorCode.FAILED, f"{kind}: server error: {type(e).__name__}: {e}")
+
+    def _info(self, request) -> runtime_pb2.ExpertResponse:
         backend = self._backend()
         info: dict[str, Any] = {"start": backend.start, "end": backend.end} if backend else {}
         try:
@@ -58,42 +107,20 @@ class BlockServicer(ServicerBase):
         except ValueError as e:
             return protocol.make_error(ErrorCode.REFUSED, f"info: malformed request: {e}")
         if backend is not None and digest:
-            info["digest"] = await asyncio.get_running_loop().run_in_executor(self.pool, weights_digest, backend)
+            info["digest"] = weights_digest(backend)
         return protocol.make_response([], info)
 
-    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return await self._serve("forward", request, lambda b, start, end, tensors, meta: b.forward(
-            _one(tensors, 1), start, end))
-
-    async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        def run(b: SpanBackend, start: int, end: int, tensors: list, meta: dict) -> torch.Tensor:
-            hidden, grad = _one(tensors, 2)
-            return b.backward(hidden, grad, start, end)
-
-        return await self._serve("backward", request, run)
-
-    async def rpc_inference(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        def run(b: SpanBackend, start: int, end: int, tensors: list, meta: dict) -> torch.Tensor:
-            session = meta.get("session")
-            max_length = meta.get("max_length")
-            if not isinstance(session, str) or not session or (max_length is not None and not isinstance(max_length, int)):
-                raise BlockRequestError("inference: metadata needs 'session' (string) and optional 'max_length' (int)")
-            return b.inference_step(session, _one(tensors, 1), start, end, max_length)
-
-        return await self._serve("inference", request, run)
-
-    async def rpc_close(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+    def _close(self, request) -> runtime_pb2.ExpertResponse:
         try:
             session = protocol.read_metadata(request).get("session")
         except ValueError as e:
             return protocol.make_error(ErrorCode.REFUSED, f"close: malformed request: {e}")
         backend = self._backend()
-        closed = bool(backend and isinstance(session, str)
-                      and await asyncio.get_running_loop().run_in_executor(self.pool, backend.close_session, session))
+        closed = bool(backend and isinstance(session, str) and backend.close_session(session))
         return protocol.make_response([], {"closed": closed})
 
-    async def _serve(self, kind: str, request, run) -> runtime_pb2.ExpertResponse:
-        entered = time.perf_counter()
+    def _serve(self, kind: str, request, entered: float, run) -> runtime_pb2.ExpertResponse:
+        began = time.perf_counter()
         backend = self._backend()
         if backend is None:
             return self._refuse(kind, ErrorCode.REFUSED, f"{kind}: this server is joining or moving: no blocks loaded yet")
@@ -103,35 +130,49 @@ class BlockServicer(ServicerBase):
             meta = protocol.read_metadata(request)
         except (ValueError, TypeError) as e:  # garbage in: refuse in one line
             return self._refuse(kind, ErrorCode.REFUSED, f"{kind}: malformed request: {e}")
-
-        timing: dict[str, float] = {}
-
-        def compute() -> torch.Tensor:
-            began = time.perf_counter()
-            backend.last_gpu_ms = None
-            out = run(backend, start, end, tensors, meta)
-            seconds = time.perf_counter() - began
-            self.metrics.request_duration.labels(kind).observe(seconds)
-            self.metrics.tokens.labels(kind).inc(tensors[0].shape[0] * tensors[0].shape[1])
-            timing["compute_ms"] = 1000 * seconds  # the request on the compute thread, copies included
-            if backend.last_gpu_ms is not None:
-                timing["gpu_ms"] = backend.last_gpu_ms  # of which the blocks on the GPU
-            return out
-
+        computing = time.perf_counter()
+        backend.last_gpu_ms = None
         try:
-            out = await asyncio.get_running_loop().run_in_executor(self.pool, compute)
+            out = run(backend, start, end, tensors, meta)
         except BlockRequestError as e:
             return self._refuse(kind, ErrorCode.REFUSED, str(e))
         except Exception as e:
             log.exception("request failed", extra={"fields": {"kind": kind}})
             return self._refuse(kind, ErrorCode.FAILED, f"{kind}: server error: {type(e).__name__}: {e}")
+        seconds = time.perf_counter() - computing
+        self.metrics.request_duration.labels(kind).observe(seconds)
+        self.metrics.tokens.labels(kind).inc(tensors[0].shape[0] * tensors[0].shape[1])
         self.metrics.requests.labels(kind, "ok").inc()
-        timing["handler_ms"] = 1000 * (time.perf_counter() - entered)  # decoding, queueing, compute
+        timing = {"compute_ms": 1000 * seconds}  # the blocks, copies included
+        if backend.last_gpu_ms is not None:
+            timing["gpu_ms"] = backend.last_gpu_ms  # of which the blocks on the GPU
+        timing["queue_ms"] = 1000 * (began - entered)  # arrival to the compute thread
+        timing["handler_ms"] = 1000 * (time.perf_counter() - entered)  # queueing, decoding, compute
         return protocol.make_response([out], timing, self.compression)
 
     def _refuse(self, kind: str, code: ErrorCode, message: str) -> runtime_pb2.ExpertResponse:
         self.metrics.requests.labels(kind, code.value).inc()
         return protocol.make_error(code, message)
+
+
+def _forward(b: SpanBackend, start: int, end: int, tensors: list, meta: dict) -> torch.Tensor:
+    return b.forward(_one(tensors, 1), start, end)
+
+
+def _backward(b: SpanBackend, start: int, end: int, tensors: list, meta: dict) -> torch.Tensor:
+    hidden, grad = _one(tensors, 2)
+    return b.backward(hidden, grad, start, end)
+
+
+def _inference(b: SpanBackend, start: int, end: int, tensors: list, meta: dict) -> torch.Tensor:
+    session = meta.get("session")
+    max_length = meta.get("max_length")
+    if not isinstance(session, str) or not session or (max_length is not None and not isinstance(max_length, int)):
+        raise BlockRequestError("inference: metadata needs 'session' (string) and optional 'max_length' (int)")
+    return b.inference_step(session, _one(tensors, 1), start, end, max_length)
+
+
+_RUNS = {"forward": _forward, "backward": _backward, "inference": _inference}
 
 
 def weights_digest(backend: SpanBackend) -> str:
@@ -187,6 +228,8 @@ class BlockServer:
         self.rates: dict[str, float] = {}
         self.plan_time = 0.0
         self.p2p = None  # this process's handle on the DHT's p2pd, which serves the RPCs
+        self.direct: Optional[DirectServer] = None  # and the direct path, where admission is off
+        self.direct_address = ""  # host:port announced for it
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="rpc", daemon=True).start()
 
@@ -199,6 +242,7 @@ class BlockServer:
             servicer = BlockServicer(lambda: self.backend, self.spec.compression, ctx.metrics)
             self.pool = servicer.pool
             self._call(self._add_handlers(servicer))
+            self.direct = self._open_direct(servicer)
             self.rates = self._compute(lambda: measure_throughput(self._load(0, 1), self.spec.compression))
             log.info("measured throughput", extra={"fields": self.rates})
             ctx.metrics.throughput.set(self.rates["throughput"])
@@ -207,6 +251,8 @@ class BlockServer:
         finally:
             self.state = OFFLINE
             self.announce()
+            if self.direct is not None:
+                self.direct.stop()
             if self.p2p is not None:  # close the replica's connections before its loop stops
                 asyncio.run_coroutine_threadsafe(self.p2p.shutdown(), self.loop).result(timeout=5)
             self.dht.shutdown()
@@ -305,7 +351,7 @@ class BlockServer:
             peer_id=self.peer_id, name=self.ctx.peer_name, state=self.state, start=self.span[0], end=self.span[1],
             throughput=self.rates.get("throughput", 0.0), inference_rps=self.rates.get("inference_rps", 0.0),
             forward_rps=self.rates.get("forward_rps", 0.0), network_rps=self.rates.get("network_rps", 0.0),
-            cache_tokens_left=left)
+            cache_tokens_left=left, direct=self.direct_address)
         protocol.announce(self.dht, self.ctx.run_id, info)
         self.ctx.metrics.cache_tokens_left.set(left)
         self.ctx.metrics.sessions.set(len(backend.sessions) if backend else 0)
@@ -322,9 +368,33 @@ class BlockServer:
     def _call(self, coroutine) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
+    def _open_direct(self, servicer: BlockServicer) -> Optional[DirectServer]:
+        args = self.ctx.args
+        server, self.direct_address = open_direct(self.peer_id, servicer.handle_bytes, args.host, args.announce_host,
+                                                  self.ctx.client_mode)
+        return server
+
     async def _add_handlers(self, servicer: BlockServicer) -> None:
         self.p2p = await self.dht.replicate_p2p()
         await servicer.add_p2p_handlers(self.p2p)
+
+
+def open_direct(peer_id: str, handle: Callable[[str, bytes], bytes], host: str, announce_host: Optional[str],
+                client_mode: bool) -> tuple[Optional[DirectServer], str]:
+    """The direct path's server on `host`, any free port, and the address to announce for it;
+    (None, "") where this process admits peers by token (direct.py: the direct path has no
+    admission), or the peer is not dialed (client mode), or it has no address others dial."""
+    dialed = announce_host or host
+    if admission_on() or client_mode or not dialed or dialed in ("0.0.0.0", "::"):
+        return None, ""
+    try:
+        server = DirectServer(peer_id, handle, host)
+    except Exception as e:  # noqa: BLE001 (p2pd still serves every call)
+        log.warning("direct path not available", extra={"fields": {"why": f"{type(e).__name__}: {e}"}})
+        return None, ""
+    announced = direct_address(dialed, server.port)
+    log.info("direct path", extra={"fields": {"address": announced}})
+    return server, announced
 
 
 def served_requests(registry) -> int:
