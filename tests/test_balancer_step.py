@@ -15,7 +15,8 @@ import pytest
 
 from hivekeeper.local.identity import ensure_identity
 from hivekeeper.metrics import SwarmMetrics
-from hivekeeper.planning.averaging_lp import throughput_of
+from hivekeeper.planning.averaging_lp import plan_averaging, throughput_of
+from hivekeeper.planning.step_time import FixedCosts, everyone_computes, whole_steps_per_second
 from hivekeeper.runtime.context import RoleContext
 from hivekeeper.runtime.reports import PEERS_KEY
 from hivekeeper.spec import load_manifest
@@ -182,3 +183,36 @@ def test_unreadable_inputs_leave_the_plan_to_expire(swarm):
     assert swarm.balancer.ctx.status["inputsError"] == "prometheus: connection refused"
     swarm.source.error = None
     assert swarm.step().expires == swarm.clock[0] + TTL  # readable again: renewed
+
+
+def phases(accumulate: float, wait: float, allreduce: float, after: float) -> dict:
+    return {"accumulate": accumulate, "wait": wait, "allreduce": allreduce, "after": after,
+            "step": accumulate + wait + allreduce + after}
+
+
+def test_measured_fixed_costs_make_the_plan_predict_whole_steps(swarm):
+    """Once the trainers report their step phases, the plan predicts whole steps (compute and
+    transfer from the LP, the rest measured) and its roles are the better of the LP's and
+    everyone computing, in whole steps."""
+    swarm.join("trainer-0", 40.0, SLOW)
+    swarm.join("trainer-1", 40.0, FAST)
+    swarm.join("trainer-2", 40.0, 5 * FAST)
+    lp_only = swarm.step()
+    assert lp_only.step is None  # nothing measured yet: the LP's figures
+    for peer_id in swarm.dht.reports:
+        swarm.dht.reports[peer_id]["stepPhases"] = phases(accumulate=9.0, wait=0.4, allreduce=30.0, after=0.05)
+    whole = swarm.step()
+    step = whole.step
+    assert step["fixed"]["wait"] == pytest.approx(0.4) and step["fixed"]["after"] == pytest.approx(0.05)
+    assert step["seconds"] == pytest.approx(step["compute"] + step["transfer"] + sum(step["fixed"].values()),
+                                            abs=1e-3)
+    assert whole.steps_per_second == pytest.approx(1 / step["seconds"], rel=1e-3)
+    problem, fixed = swarm.balancer.inputs.problem, FixedCosts.from_json(step["fixed"])
+    chosen = throughput_of(problem, {p.peer_id: p.computes_gradients for p in whole.peers}, whole.shares())
+    for candidate in (plan_averaging(problem), everyone_computes(problem)):
+        assert whole_steps_per_second(chosen, fixed, False) >= whole_steps_per_second(candidate, fixed, False) / 1.25
+    registry = swarm.balancer.ctx.metrics.registry
+    assert registry.get_sample_value("hivekeeper_plan_step_seconds", {"part": "wait"}) == pytest.approx(0.4)
+    # a garbled report is ignored, not fatal
+    swarm.dht.reports["id-trainer-0"]["stepPhases"] = {"wait": "soon"}
+    assert swarm.step().step is not None

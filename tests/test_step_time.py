@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import astuple
+from dataclasses import astuple, replace
+from unittest.mock import ANY
 
 import pytest
 
 from hivekeeper.local.progress import LOW_EFFICIENCY_SECONDS, EfficiencyWatch, describe_plan
 from hivekeeper.local.runner import step_rates
-from hivekeeper.planning.step_time import FixedCosts, fixed_costs, predict_step
+from hivekeeper.planning.averaging_lp import AveragingProblem, PeerCapacity, plan_averaging
+from hivekeeper.planning.step_time import (FixedCosts, fixed_costs, plan_whole_steps, predict_step,
+                                           whole_steps_per_second)
 from hivekeeper.training.step_clock import StepClock, StepPhases
 
 
@@ -121,3 +124,18 @@ def test_the_plan_line_shows_efficiency_and_where_a_step_goes():
     assert "2.000 steps/s predicted, achieved 1.500 (efficiency 0.75)" in line
     assert "compute 0.020 + transfer 0.030 + fixed 0.450 (lag 0.060, wait 0.300" in line
     assert "fixed costs not measured yet" in describe_plan({**plan, "step": None}, achieved=None)
+
+
+def test_roles_for_whole_steps_keep_every_peer_computing_when_that_makes_more_steps():
+    """The LP maximizes min(compute rate, aggregation rate) and here ties (0.3125 steps/s) with
+    p1 only aggregating; a step does compute, then averaging, then the fixed costs, and with
+    every peer computing it is shorter. Without measured fixed costs the LP's plan stands."""
+    peers = [PeerCapacity("p0", 40, 1, 1), PeerCapacity("p1", 40, 20, 20), PeerCapacity("p2", 40, 10, 10)]
+    problem = AveragingProblem(target_batch_size=256, num_parameters=100_000, peers=peers)
+    lp = plan_averaging(problem)
+    assert not {r.name: r.computes_gradients for r in lp.peers}["p1"]
+    fixed = FixedCosts(wait=0.3)
+    chosen = plan_whole_steps(problem, fixed, overlap=False)
+    assert all(r.computes_gradients for r in chosen.peers)
+    assert whole_steps_per_second(chosen, fixed, False) > 1.1 * whole_steps_per_second(lp, fixed, False)
+    assert plan_whole_steps(problem, None, overlap=False) == replace(lp, solve_seconds=ANY)

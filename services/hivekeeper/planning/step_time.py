@@ -23,8 +23,13 @@ time, and fixed = lag + wait + round trips + after, each the median over the com
 - round trips: the all-reduce's time beyond its bytes at the measured rates;
 - after: the rest of the step (optimizer step, foreground parameter averaging).
 
-The plan's roles and shares stay the LP's (its optimum is unchanged); this is what the plan
-predicts for them.
+Roles. The LP's objective, min(compute rate, aggregation rate), assumes a step's compute and
+averaging overlap, and among its ties it may take a computing peer out to aggregate only: on the
+demo it turned two of three trainers into pure aggregators now and then, so steps waited for
+fewer samples, and every switch back cost a state reload. A step without delayed updates does
+one after the other, so once the fixed costs are measured `plan_whole_steps` keeps the LP's
+plan only if it makes more whole steps than the plan in which every peer with samples computes
+(shares re-solved for those roles); the LP itself is unchanged.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
+from hivekeeper.planning.averaging_lp import AveragingPlan, AveragingProblem, Throughput, plan_averaging, plan_for_roles
 from hivekeeper.training.step_clock import StepPhases
 
-__all__ = ["FixedCosts", "StepTime", "fixed_costs", "predict_step"]
+__all__ = ["FixedCosts", "StepTime", "fixed_costs", "plan_whole_steps", "predict_step", "whole_steps_per_second"]
 
 FIXED_PARTS = ("lag", "wait", "roundTrips", "after")
 
@@ -124,3 +130,24 @@ def fixed_costs(phases: Sequence[StepPhases], compute: float, transfer: float) -
         round_trips=median(p.allreduce - transfer for p in phases),
         after=median(p.after for p in phases),
     )
+
+
+def whole_steps_per_second(throughput: Throughput, fixed: FixedCosts, overlap: bool) -> float:
+    return predict_step(throughput.compute_bound, throughput.aggregation_bound, fixed, overlap).steps_per_second
+
+
+def everyone_computes(problem: AveragingProblem) -> AveragingPlan:
+    """The best shares when every peer with samples computes."""
+    return plan_for_roles(problem, {peer.name: peer.samples_per_second > 0 for peer in problem.peers})
+
+
+def plan_whole_steps(problem: AveragingProblem, fixed: Optional[FixedCosts], overlap: bool) -> AveragingPlan:
+    """The LP's plan, or the one where every peer with samples computes when that makes more
+    whole steps per second (ties go to more computing peers); the LP's alone without fixed costs."""
+    lp = plan_averaging(problem)
+    if fixed is None:
+        return lp
+    everyone = everyone_computes(problem)
+    if whole_steps_per_second(everyone, fixed, overlap) >= whole_steps_per_second(lp, fixed, overlap):
+        return everyone
+    return lp

@@ -24,11 +24,11 @@ from hivekeeper.planning.averaging_lp import (
     AveragingProblem,
     PeerCapacity,
     Throughput,
-    plan_averaging,
     throughput_of,
 )
 from hivekeeper.planning.group_size import optimal_group_size
-from hivekeeper.planning.step_time import FixedCosts, StepTime, fixed_costs, predict_step
+from hivekeeper.planning.step_time import (FixedCosts, StepTime, fixed_costs, plan_whole_steps, predict_step,
+                                           whole_steps_per_second)
 from hivekeeper.runtime.reports import read_peer_reports
 from hivekeeper.spec.swarm import SwarmSpec
 from hivekeeper.swarm.role import SwarmContext, load_swarm_context
@@ -214,10 +214,15 @@ class Balancer:
         if inputs is None:
             self.ctx.status.update(waitingFor="a computing peer with measured samples/s and bandwidth")
             return
+        overlap = self.ctx.spec.averaging.delayed_parameter_updates
+        fixed = self.fixed_costs(inputs, reports)
         reason = "first plan" if self.inputs is None else drifted(self.inputs.problem, inputs.problem, settings.drift)
+        if reason is None and fixed is not None and self.leaves_compute_out(inputs):
+            reason = "fixed costs: a plan where every peer computes may make more steps"
         now = get_dht_time()
-        solved = plan_averaging(inputs.problem) if reason is not None else None
-        if solved is not None and reason.startswith("inputs") and not self.clearly_better(inputs, solved):
+        solved = plan_whole_steps(inputs.problem, fixed, overlap) if reason is not None else None
+        if solved is not None and not reason.startswith("peers") and self.plan is not None \
+                and not self.clearly_better(inputs, solved, fixed):
             solved = None
         if solved is not None:
             self.inputs, self.solve_seconds = inputs, solved.solve_seconds
@@ -237,28 +242,51 @@ class Balancer:
                                 compute_bound=_finite(current.compute_bound),
                                 aggregation_bound=_finite(current.aggregation_bound),
                                 averaging_seconds=_finite(current.averaging_seconds))
-        computing = {p.peer_id for p in self.plan.peers if p.computes_gradients}
-        phases = [ph for r in reports if r.get("peerId") in computing
-                  and (ph := StepPhases.from_json(r.get("stepPhases"))) is not None]
-        self.step_time = predicted_step(self.current_throughput(inputs), phases,
-                                        overlap=self.ctx.spec.averaging.delayed_parameter_updates)
+        self.step_time = predicted_step(self.current_throughput(inputs), self.computing_phases(reports), overlap)
         self.plan = with_step(self.plan, self.step_time)
         publish_plan(dht, self.plan, self.key)
         self.export(inputs)
+
+    def computing_phases(self, reports: Sequence[dict]) -> list[StepPhases]:
+        """The step phases of the peers that compute under the current plan (every trainer before one)."""
+        computing = {p.peer_id for p in self.plan.peers if p.computes_gradients} if self.plan else None
+        return [phases for r in reports if r.get("role") == "trainer"
+                and (computing is None or r.get("peerId") in computing)
+                and (phases := StepPhases.from_json(r.get("stepPhases"))) is not None]
+
+    def fixed_costs(self, inputs: PlanInputs, reports: Sequence[dict]) -> Optional[FixedCosts]:
+        """What the computing peers measure beyond the current plan's compute and transfer; None
+        before a plan or before any peer has measured steps."""
+        if self.plan is None:
+            return None
+        current = predict_step(*self._bounds(self.current_throughput(inputs)), FixedCosts(), overlap=False)
+        return fixed_costs(self.computing_phases(reports), current.compute, current.transfer)
+
+    @staticmethod
+    def _bounds(throughput: Throughput) -> tuple[float, float]:
+        return throughput.compute_bound, throughput.aggregation_bound
+
+    def leaves_compute_out(self, inputs: PlanInputs) -> bool:
+        """The current plan has a peer that could compute only aggregate."""
+        samples = {p.name: p.samples_per_second for p in inputs.problem.peers}
+        return any(not p.computes_gradients and samples.get(p.peer_id, 0) > 0 for p in self.plan.peers)
 
     def current_throughput(self, inputs: PlanInputs) -> Throughput:
         return throughput_of(inputs.problem, {p.peer_id: p.computes_gradients for p in self.plan.peers},
                              self.plan.shares())
 
-    def clearly_better(self, inputs: PlanInputs, solved: AveragingPlan) -> bool:
+    def clearly_better(self, inputs: PlanInputs, solved: AveragingPlan, fixed: Optional[FixedCosts] = None) -> bool:
         """A fresh plan replaces the one peers follow only if it beats it under the new inputs by
-        `drift` (steps/s, then aggregation rate): every switch costs a round on hivemind's split
-        (groups hold different plans meanwhile), and measurements are noisy."""
+        `drift` (steps/s, whole steps once the fixed costs are measured; then aggregation rate):
+        every switch costs a round on hivemind's split (groups hold different plans meanwhile,
+        and a peer that computes again reloads the state), and measurements are noisy."""
         margin = 1 + self.ctx.spec.balancer.drift
         current = self.current_throughput(inputs)
-        better = solved.steps_per_second > current.steps_per_second * margin or (
-            solved.steps_per_second >= current.steps_per_second
-            and solved.aggregation_bound > current.aggregation_bound * margin)
+        overlap = self.ctx.spec.averaging.delayed_parameter_updates
+        rate = (lambda t: t.steps_per_second) if fixed is None else (  # noqa: E731
+            lambda t: whole_steps_per_second(t, fixed, overlap))
+        better = rate(solved) > rate(current) * margin or (
+            rate(solved) >= rate(current) and solved.aggregation_bound > current.aggregation_bound * margin)
         if not better:
             self.inputs = inputs  # drift is measured from here on
         return better

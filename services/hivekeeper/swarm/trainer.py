@@ -14,6 +14,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
+from hivekeeper.runtime.cpu import cores_given
 from hivekeeper.swarm.merging_trainer import train_merging
 from hivekeeper.swarm.optimizer import make_collaborative_optimizer
 from hivekeeper.swarm.plan_follower import PlanFollower
@@ -72,6 +73,9 @@ def train(ctx: SwarmContext) -> int:
     spec, args = ctx.spec, ctx.args
     batch_size = args.batch_size or spec.trainers.batch_size
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # as many threads as cores it is given (its container's limit, else its CPU request): torch's
+    # default of every core, in each of 3 trainers on 2 cores, starved the averagers' processes
+    torch.set_num_threads(cores_given(spec.trainers.resources.cpu))
     ctx.start_endpoint()
     task = load_task(spec.task.name, spec.task.options, seed=spec.task.seed)
     model = task.build_model().to(device)
