@@ -142,7 +142,7 @@ def test_scale_subresource_and_printer_columns_point_at_real_fields(kind):
 def test_swarm_columns_and_names():
     version = crd("Swarm")["spec"]["versions"][0]
     assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "Ready", "Trainers", "Step",
-                                                                        "Samples/s", "Plan steps/s", "Age"]
+                                                                        "Samples/s", "Steps/s", "Efficiency", "Age"]
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.trainers.replicas"
     assert crd("Swarm")["spec"]["names"]["shortNames"] == ["sw"]
 

@@ -15,7 +15,7 @@ from hivekeeper.local.runner import step_rates
 from hivekeeper.planning.averaging_lp import AveragingProblem, PeerCapacity, plan_averaging
 from hivekeeper.planning.step_time import (FixedCosts, fixed_costs, plan_whole_steps, predict_step,
                                            whole_steps_per_second)
-from hivekeeper.training.step_clock import StepClock, StepPhases
+from hivekeeper.planning.step_clock import StepClock, StepPhases
 
 
 def test_the_clock_splits_a_step_into_its_phases():

@@ -18,6 +18,10 @@ from typing import Sequence
 
 from hivemind.p2p import PeerID
 
+from hivekeeper.hivemind_ext import check_hivemind_version
+
+check_hivemind_version(__name__)
+
 log = logging.getLogger("hivekeeper.dht_rejoin")
 
 REJOIN_SECONDS = 10.0

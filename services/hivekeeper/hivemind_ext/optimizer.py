@@ -29,7 +29,7 @@ from hivekeeper.hivemind_ext.allreduce import CountingGradientAverager, PlannedA
 from hivekeeper.hivemind_ext.group_round import add_averages, bytes_sent, start_runner
 from hivekeeper.hivemind_ext.robust import CenteredClip, robust_runner
 from hivekeeper.metrics import SwarmMetrics
-from hivekeeper.training.step_clock import StepClock
+from hivekeeper.planning.step_clock import StepClock
 
 check_hivemind_version(__name__)
 

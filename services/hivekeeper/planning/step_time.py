@@ -7,7 +7,7 @@ costs. On a small model the rest dominates (in the demo, before the rounds were 
 plan said 0.98 steps/s and the swarm made 0.37): a peer first learns that the collaboration has
 its batch, the round waits for the group and for its last member, the all-reduce pays round
 trips on top of its bytes, and the optimizer step follows. Peers measure those parts
-(`training/step_clock.py`); this module adds them to the LP's figures:
+(`planning/step_clock.py`); this module adds them to the LP's figures:
 
     step = compute + transfer + fixed                    (hivemind's default: a step averages,
                                                           then steps, then computes again)
@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
 from hivekeeper.planning.averaging_lp import AveragingPlan, AveragingProblem, Throughput, plan_averaging, plan_for_roles
-from hivekeeper.training.step_clock import StepPhases
+from hivekeeper.planning.step_clock import StepPhases
 
 __all__ = ["FixedCosts", "StepTime", "fixed_costs", "plan_whole_steps", "predict_step", "whole_steps_per_second"]
 

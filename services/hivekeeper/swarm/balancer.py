@@ -43,7 +43,7 @@ from hivekeeper.swarm.metrics_source import (
 from hivekeeper.hivemind_ext.allreduce import plan_digest
 from hivekeeper.swarm.optimizer import WIRE_BYTES_PER_ELEMENT
 from hivekeeper.swarm.plan_record import PeerAssignment, SignedPlan, load_signing_key, publish_plan
-from hivekeeper.training.step_clock import StepPhases
+from hivekeeper.planning.step_clock import StepPhases
 
 log = logging.getLogger("hivekeeper.balancer")
 AVERAGING_ROLES = ("trainer", "auxiliary")
