@@ -7,6 +7,13 @@ alone, and refuses averages that are not finite: gradients (it steps on local on
 parameters (`FiniteStateAverager`, which keeps the local ones). With `aggregation` (a
 CenteredClip) the parameter averages are robust too, as the gradient averager's are (its
 aggregation comes with the gradient averager's factory).
+
+It also keeps replicas in lockstep and rounds at the wire's pace (issue 20): it looks for a
+group as soon as its previous step's accumulation time says the batch is near, steps at once
+when a groupmate began the round (`PlannedAverager.groupmate_began`), times each step's phases
+(`StepClock`, the planner's fixed costs), refuses a parameter average that arrives after the
+next optimizer step, reloads the state after a failed round, and loads a state again while it
+is behind the global step.
 """
 
 from __future__ import annotations
