@@ -1,7 +1,7 @@
-"""Expert server role: hosts its share of the grid with hivemind's MoE Server (requests batched
-per expert by task pools, a runtime that runs them and applies each backward request as an
-optimizer step, experts announced in the DHT with expiry), checks requests before they reach an
-expert, and checkpoints its experts so that a replacement resumes them."""
+"""Expert server role: hosts its share of the grid (`runtime.py`: requests checked, batched per
+expert and run in this process, each backward request applied as an optimizer step), announces
+its experts in the DHT with expiry (hivemind's DHTHandlerThread), and checkpoints its experts
+so that a replacement resumes them."""
 
 from __future__ import annotations
 
@@ -12,19 +12,18 @@ import time
 from pathlib import Path
 
 import torch
-from hivemind.moe.server.server import Server
+from hivemind.moe.server.dht_handler import DHTHandlerThread
 
 from hivekeeper.experts.backend import ExpertBackend, make_backend
 from hivekeeper.experts.checkpoints import load_expert, save_expert
 from hivekeeper.experts.common import PoolContext, load_pool_context
 from hivekeeper.experts.grid import server_experts
 from hivekeeper.experts.kind import SERVER
-from hivekeeper.hivemind_ext.moe_handler import CheckedConnectionHandler
+from hivekeeper.experts.runtime import ExpertRuntime
 from hivekeeper.runtime.cpu import cores_given
 from hivekeeper.runtime.lifecycle import install_signal_handlers
 
 log = logging.getLogger("hivekeeper.experts.server")
-CONNECTION_HANDLERS = 2  # processes taking requests; each serves many at once (asyncio)
 REPORT_SECONDS = 1.0
 
 
@@ -83,15 +82,13 @@ class ExpertServer:
         dht = ctx.make_dht()
         log.info("joined the DHT", extra={"fields": {"peer_id": str(dht.peer_id)}})
         resumed = self.load_experts()
-        server = Server(dht, self.backends, num_connection_handlers=CONNECTION_HANDLERS,
-                        update_period=spec.servers.announce_period_seconds,
-                        expiration=spec.servers.announce_expiration_seconds,
-                        device="cuda" if torch.cuda.is_available() else "cpu")
-        server.conn_handlers = [CheckedConnectionHandler(dht, self.backends) for _ in range(CONNECTION_HANDLERS)]
-        server.daemon = True  # its runtime loop must not keep the process alive once we have shut down
-        server.run_in_background(await_ready=True, timeout=60)
-        # after the fork of hivemind's workers: they keep the default handlers and die with the group
-        install_signal_handlers(ctx.stop)
+        runtime = ExpertRuntime(self.backends, spec.servers.max_batch_size,
+                                device="cuda" if torch.cuda.is_available() else None)
+        runtime.start(dht)
+        announcer = DHTHandlerThread(self.backends, dht, update_period=spec.servers.announce_period_seconds,
+                                     expiration=spec.servers.announce_expiration_seconds, daemon=True)
+        announcer.start()
+        install_signal_handlers(ctx.stop)  # after the DHT's process was forked: it keeps the default handlers
         ctx.metrics.experts_hosted.set(len(self.backends))
         if spec.checkpoint.enabled:
             self.save()  # fresh experts get a checkpoint at once: a replacement starts from the same weights
@@ -109,7 +106,7 @@ class ExpertServer:
             ctx.endpoint.ready.clear()
             if spec.checkpoint.enabled:
                 self.save()  # the latest updates survive a clean stop
-            shutdown(server)
+            shutdown(runtime, announcer, dht)
         log.info("expert server stopped", extra={"fields": {"updates": {u: b.updates for u, b in self.backends.items()}}})
         return 0
 
@@ -124,12 +121,10 @@ class ExpertServer:
         self.ctx.publish_report(dht, {"experts": sorted(experts)})
 
 
-def shutdown(server: Server) -> None:
-    """Server.shutdown, without the waits that never end when the worker processes are already
-    gone (`hivekeeper up` stops a role by signalling its whole process group): the announcing
-    thread may be blocked on a dead DHT, so it is told to stop but not joined (it is a daemon)."""
-    for handler in server.conn_handlers:
-        handler.shutdown()
-    server.dht_handler_thread.stop.set()
-    server.runtime.shutdown()
-    server.dht.shutdown()
+def shutdown(runtime: ExpertRuntime, announcer: DHTHandlerThread, dht) -> None:
+    """Stop serving, then announcing: the announcing thread may be blocked on a DHT process that
+    is already gone (`hivekeeper up` stops a role by signalling its whole process group), so it
+    is told to stop but not joined (it is a daemon)."""
+    runtime.shutdown()
+    announcer.stop.set()
+    dht.shutdown()
