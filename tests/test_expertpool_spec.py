@@ -358,6 +358,9 @@ class LocalExperts:
                 future.set_result([self.experts[expert.uid](tensors[0])])
         return future
 
+    def call_many(self, requests, backward=False):
+        return [self.call(expert, tensors, backward) for expert, tensors in requests]
+
     stats = type("Stats", (), {"ok": 0, "failed": 0})()
 
 
@@ -411,3 +414,58 @@ def test_transformer_experts_take_tokens_and_the_classifier_trains_through_them(
     assert logits.shape == (5, 10)
     logits.sum().backward()
     assert model.embed.weight.grad is not None and model.position.grad is not None
+
+
+class StubDHT:
+    """What ExpertClient asks of hivemind's DHT: run a callable in the DHT process (here, at once
+    against a StubNode)."""
+
+    def __init__(self, node):
+        self.node, self.ran = node, []
+
+    async def replicate_p2p(self):
+        return None
+
+    def run_coroutine(self, fn, return_future=False):
+        self.ran.append(fn)
+        future = Future()
+        future.set_result(asyncio.run(fn(self, self.node)))
+        return future if return_future else future.result()
+
+
+def test_a_trainer_searches_in_its_own_process_over_prefixes_read_recently():
+    """With search_cache_seconds the client runs the beam search itself, over prefix entries it
+    read from the DHT process at most that long ago: the same experts as the search in the DHT
+    process, one DHT request per level for the first search, none for the next ones until the
+    entries are that old; then experts announced meanwhile are found."""
+    import time
+
+    from hivemind.dht.storage import DHTLocalStorage
+    from hivemind.utils import get_dht_time
+
+    from hivekeeper.experts.dmoe import ExpertClient
+
+    clear_decoded()
+    dims = [3, 4, 2]
+    uids = grid_uids("g", dims)
+    network = DHTLocalStorage()
+    announce(network, uids[:-6], PEER_IDS[0], get_dht_time() + 600)
+    dht = StubDHT(StubNode(network))
+    local, remote = ExpertClient(dht, search_cache_seconds=0.5), ExpertClient(dht)
+    gen = torch.Generator().manual_seed(0)
+    for search in range(3):
+        scores = [torch.randn(16, m, generator=gen) for m in dims]
+        dht.ran.clear()
+        found = local.find_best_experts("g", scores, 4)
+        assert len(dht.ran) == (len(dims) - 1 if search == 0 else 0)
+        assert [[e.uid for e in row] for row in found] == [
+            [e.uid for e in row] for row in remote.find_best_experts("g", scores, 4)]
+        assert [[e.uid for e in row] for row in found] == [
+            brute_force(uids[:-6], [s[i].tolist() for s in scores], 4) for i in range(16)]
+
+    announce(network, uids[-6:], PEER_IDS[1], get_dht_time() + 600)  # a new server's experts
+    time.sleep(0.6)
+    scores = [torch.randn(16, m, generator=gen) for m in dims]
+    found = local.find_best_experts("g", scores, 4)
+    assert [[e.uid for e in row] for row in found] == [brute_force(uids, [s[i].tolist() for s in scores], 4)
+                                                       for i in range(16)]

@@ -2,7 +2,8 @@
 
 Gating is additive over the grid: one linear layer per grid dimension, g(x, f) = sum_i g_i(x)[u_i].
 hivemind's beam search over DHT prefixes picks each example's top-k announced experts; the
-layer sends every chosen expert one request holding all the examples routed to it, waits until
+layer sends every chosen expert one request holding all the examples routed to it (the requests
+to one server's experts travel as one message, `ExpertClient`), waits until
 each example has kMin replies (then `timeout_after_k_min` more for stragglers, never beyond
 `forward_timeout`), and averages the replies with softmax weights renormalized over the experts
 that answered. The backward pass sends each answering expert its examples' output gradients,
@@ -12,8 +13,9 @@ Why not hivemind's RemoteMixtureOfExperts as is: it sends one request per exampl
 (k x batch requests a layer, each batched again on the server), its batched beam search passes
 `num_workers` where `cache_expiration` belongs (negative caching then raises in the background),
 its beam search asks the DHT separately for every example (`beam.py` asks once a step for the
-batch), and it cannot inject the network delay the throughput benchmark needs. The DHT records,
-the server stubs and the wire format are hivemind's.
+batch), and it cannot inject the network delay the throughput benchmark needs. The DHT records
+and the tensor wire format are hivemind's; a message to several experts is hivekeeper's
+(`hivemind_ext/moe_handler.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import asyncio
 import random
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Sequence
@@ -31,10 +33,10 @@ import numpy as np
 import torch
 from hivemind.compression import serialize_torch_tensor
 from hivemind.dht import DHT
-from hivemind.moe.client.expert import expert_backward, expert_forward, get_server_stub
+from hivemind.moe.client.expert import MAX_UNARY_PAYLOAD_SIZE, expert_backward, expert_forward, get_server_stub
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.moe.expert_uid import ExpertInfo
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto.runtime_pb2 import CompressionType
 from prometheus_client import Histogram
 from torch import nn
@@ -42,6 +44,7 @@ from torch.autograd.function import once_differentiable
 
 from hivekeeper.experts.beam import beam_search, fetch_from_dht
 from hivekeeper.experts.grid import UID_DELIMITER
+from hivekeeper.hivemind_ext.moe_handler import BACKWARD, FORWARD, call_experts
 
 # hivemind's DHT process reads its request pipe non-blocking: a request that multiprocessing
 # writes in two parts (over 16 KiB pickled) is read half, and the DHT process then dies
@@ -67,56 +70,204 @@ class CallStats:
 
 class ExpertClient:
     """Requests to expert servers over the DHT's p2p daemon, on hivemind's client event loop.
-    `delay_mean` adds an exponentially distributed delay to every request (Learning@home 4.1
-    emulates network latency this way)."""
+
+    Requests to one server are sent together: all the requests that are ready when the event
+    loop next runs (a layer's requests to that server's experts, and those of other batches in
+    flight at the same moment) go as one message (`call_experts`; a lone request as hivemind's
+    own RPC), split only where a message would pass hivemind's unary size limit. Each request
+    keeps its own future, outcome and timing: one that fails or is cancelled affects no other,
+    and a message whose requests were all cancelled is abandoned.
+
+    `delay_mean` adds an exponentially distributed delay to every message (Learning@home 4.1
+    emulates network latency this way): a message, like a packet on a real network, takes one
+    latency however many requests it carries.
+
+    `search_cache_seconds` > 0: beam searches run in this process over the DHT's prefix entries
+    kept that long (a trainer with many batches in flight searches several times a batch, and
+    each search through the DHT process is a round trip of pickled requests); an expert whose
+    server died may then be chosen that much longer (its requests fail and it is left out)."""
 
     def __init__(self, dht: DHT, delay_mean: float = 0.0, seed: int | None = None,
-                 request_seconds: Histogram | None = None):
+                 request_seconds: Histogram | None = None, search_cache_seconds: float = 0.0):
         self.dht = dht
+        self.search_cache_seconds = search_cache_seconds
+        self._prefixes: dict[str, tuple[float, dict[int, ExpertInfo]]] = {}  # prefix -> (read at, entry)
         self.delay_mean = delay_mean
         self.request_seconds = request_seconds  # ExpertMetrics' histogram by call and outcome, in a role
         self._rng = random.Random(seed)
         self.p2p: P2P = RemoteExpertWorker.run_coroutine(dht.replicate_p2p())
+        self._loop: asyncio.AbstractEventLoop = RemoteExpertWorker.run_coroutine(_running_loop())
+        self._outbox: dict[tuple[PeerID, bool], list[_Request]] = {}  # on the loop: requests not yet sent
         self.stats = CallStats()
+        self.messages = 0  # messages sent (each one delay, one RPC)
         self.dht_lock = threading.Lock()  # DHT requests share one pipe: one sender at a time
 
     def call(self, expert: ExpertInfo, tensors: Sequence[torch.Tensor], backward: bool = False) -> Future:
         """A future of the expert's outputs (forward) or input gradients (backward)."""
-        delay = self._rng.expovariate(1.0 / self.delay_mean) if self.delay_mean > 0 else 0.0
-        return RemoteExpertWorker.run_coroutine(self._call(expert, list(tensors), backward, delay), return_future=True)
+        return self.call_many([(expert, tensors)], backward)[0]
 
-    async def _call(self, expert: ExpertInfo, tensors: list[torch.Tensor], backward: bool,
-                    delay: float) -> list[torch.Tensor]:
-        started, outcome = time.perf_counter(), "error"
+    def call_many(self, requests: Sequence[tuple[ExpertInfo, Sequence[torch.Tensor]]],
+                  backward: bool = False) -> list[Future]:
+        """`call` for several requests at once: those to the same server share a message."""
+        batch = [_Request(expert, list(tensors), backward) for expert, tensors in requests]
+        self._loop.call_soon_threadsafe(self._enqueue, batch)
+        return [request.future for request in batch]
+
+    def _enqueue(self, requests: list[_Request]) -> None:
+        for request in requests:
+            key = (request.expert.peer_id, request.backward)
+            if key not in self._outbox:
+                self._outbox[key] = []
+                self._loop.call_soon(self._flush, key)  # after whatever else is ready now
+            self._outbox[key].append(request)
+
+    def _flush(self, key: tuple[PeerID, bool]) -> None:
+        # a request cancelled before it is sent sends nothing and is not timed
+        requests = [r for r in self._outbox.pop(key) if not r.future.done()]
+        for message in _messages(requests):
+            delay = self._rng.expovariate(1.0 / self.delay_mean) if self.delay_mean > 0 else 0.0
+            task = self._loop.create_task(self._send(key[0], key[1], message, delay))
+            for request in message:
+                request.message, request.task = message, task
+                request.future.add_done_callback(partial(self._on_done, request))
+            self.messages += 1
+
+    def _on_done(self, request: _Request, future: Future) -> None:
+        if future.cancelled():  # the layer stopped waiting for it (called in the layer's thread)
+            self._loop.call_soon_threadsafe(self._cancelled, request)
+
+    def _cancelled(self, request: _Request) -> None:
+        self._observe(request, "cancelled")
+        if all(r.future.done() for r in request.message) and not request.task.done():
+            request.task.cancel()  # nobody waits for any of its replies any more
+
+    async def _send(self, peer_id: PeerID, backward: bool, message: list[_Request], delay: float) -> None:
+        if delay:
+            await asyncio.sleep(delay)
+        live = [r for r in message if not r.future.done()]
+        if not live:
+            return
         try:
-            if delay:
-                await asyncio.sleep(delay)
-            stub = get_server_stub(self.p2p, expert.peer_id)
-            serialized = [serialize_torch_tensor(t, CompressionType.NONE) for t in tensors]
-            send = expert_backward if backward else expert_forward
-            outputs = await send(expert.uid, tensors, serialized, stub)
-            outcome = "ok"
-            return outputs
-        except asyncio.CancelledError:  # `_wait` cancels what it no longer waits for
-            outcome = "cancelled"
-            raise
-        finally:
-            if self.request_seconds is not None:
-                self.request_seconds.labels("backward" if backward else "forward", outcome).observe(
-                    time.perf_counter() - started)
+            if len(live) == 1:
+                (request,) = live
+                stub = get_server_stub(self.p2p, peer_id)
+                serialized = [serialize_torch_tensor(t, CompressionType.NONE) for t in request.tensors]
+                send = expert_backward if backward else expert_forward
+                results = [await send(request.expert.uid, request.tensors, serialized, stub)]
+            else:
+                results = await call_experts(self.p2p, peer_id, BACKWARD if backward else FORWARD,
+                                             [(r.expert.uid, r.tensors) for r in live])
+        except asyncio.CancelledError:
+            raise  # every request of the message was cancelled, and timed as such
+        except Exception as e:  # noqa: BLE001 - the whole message failed: each of its requests did
+            results = [e] * len(live)
+        for request, result in zip(live, results):
+            self._settle(request, result)
+
+    def _settle(self, request: _Request, result: list[torch.Tensor] | BaseException) -> None:
+        try:
+            if isinstance(result, BaseException):
+                request.future.set_exception(result)
+            else:
+                request.future.set_result(result)
+        except InvalidStateError:  # cancelled meanwhile: timed by `_cancelled`
+            return
+        self._observe(request, "error" if isinstance(result, BaseException) else "ok")
+
+    def _observe(self, request: _Request, outcome: str) -> None:
+        if self.request_seconds is not None:
+            self.request_seconds.labels("backward" if request.backward else "forward", outcome).observe(
+                time.perf_counter() - request.started)
 
     def find_best_experts(self, uid_prefix: str, grid_scores: list[torch.Tensor], k: int) -> list[list[ExpertInfo]]:
-        """Each example's top-k announced experts by beam search over DHT prefixes (`beam.py`)."""
+        """Each example's top-k announced experts by beam search over DHT prefixes (`beam.py`):
+        in this process over prefixes read at most `search_cache_seconds` ago, or (0) in the DHT
+        process, where the DHT node and its cache are."""
         started = time.perf_counter()
         sizes = [s.shape[1] for s in grid_scores]
         scores = torch.cat([s.float() for s in grid_scores], dim=1).numpy()
-        rows = max(1, MAX_DHT_REQUEST_BYTES // (4 * sum(sizes)))  # examples per DHT request
-        with self.dht_lock:
-            pending = [self.dht.run_coroutine(_BatchBeamSearch(uid_prefix, scores[i:i + rows].tobytes(), sizes, k),
-                                              return_future=True) for i in range(0, len(scores), rows)]
-        found = [choices for part in pending for choices in part.result()]
+        if self.search_cache_seconds > 0:
+            bounds = np.cumsum([0, *sizes])
+            by_dimension = [scores[:, a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+            found = _run_at_once(beam_search(uid_prefix, by_dimension, k, self._fetch_cached))
+        else:
+            rows = max(1, MAX_DHT_REQUEST_BYTES // (4 * sum(sizes)))  # examples per DHT request
+            with self.dht_lock:
+                pending = [self.dht.run_coroutine(_BatchBeamSearch(uid_prefix, scores[i:i + rows].tobytes(), sizes, k),
+                                                  return_future=True) for i in range(0, len(scores), rows)]
+            found = [choices for part in pending for choices in part.result()]
         self.stats.record_search(time.perf_counter() - started)
         return found
+
+    async def _fetch_cached(self, prefixes: list[str]) -> dict[str, dict[int, ExpertInfo]]:
+        """The prefixes' entries, those not read within `search_cache_seconds` read now from the
+        DHT process (one request). Blocks instead of awaiting: see `_run_at_once`."""
+        now = time.monotonic()
+        cached = {p: entry for p in prefixes
+                  if (entry := self._prefixes.get(p)) and now - entry[0] < self.search_cache_seconds}
+        missing = [p for p in prefixes if p not in cached]
+        if missing:
+            with self.dht_lock:
+                pending = self.dht.run_coroutine(_FetchPrefixes(missing), return_future=True)
+            for prefix, entry in pending.result().items():
+                self._prefixes[prefix] = cached[prefix] = (now, entry)
+        return {p: cached[p][1] for p in prefixes}
+
+
+def _run_at_once(coroutine):
+    """The result of a coroutine that never suspends (the beam search over `_fetch_cached`, which
+    blocks instead): run in the caller's thread, with no event loop to hand it to."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("the coroutine suspended")
+
+
+@dataclass
+class _FetchPrefixes:
+    """Prefix entries read in the DHT process (`fetch_from_dht`), for the search in this one."""
+
+    prefixes: list[str]
+
+    async def __call__(self, dht, node) -> dict[str, dict[int, ExpertInfo]]:
+        return await fetch_from_dht(node, self.prefixes)
+
+
+@dataclass(eq=False)
+class _Request:
+    """One request to one expert, from `call_many` until its future is settled."""
+
+    expert: ExpertInfo
+    tensors: list[torch.Tensor]
+    backward: bool
+    future: Future = field(default_factory=Future)
+    started: float = field(default_factory=time.perf_counter)
+    message: list["_Request"] = field(default_factory=list)  # the requests sent with it
+    task: asyncio.Task | None = None  # the message's sending
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.element_size() * t.nelement() for t in self.tensors)
+
+
+def _messages(requests: list[_Request]) -> list[list[_Request]]:
+    """Requests to one server cut into messages that keep under hivemind's unary payload limit
+    (a request over it goes alone: hivemind's RPC streams it)."""
+    messages: list[list[_Request]] = []
+    size = MAX_UNARY_PAYLOAD_SIZE
+    for request in requests:
+        if size + request.nbytes > MAX_UNARY_PAYLOAD_SIZE:
+            messages.append([])
+            size = 0
+        messages[-1].append(request)
+        size += request.nbytes
+    return messages
+
+
+async def _running_loop() -> asyncio.AbstractEventLoop:
+    return asyncio.get_running_loop()
 
 
 @dataclass
@@ -195,8 +346,8 @@ class _RemoteExperts(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, client: ExpertClient, routing: Routing, k_min: int, forward_timeout: float,
                 timeout_after_k_min: float, backward_timeout: float) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.detach().cpu()
-        futures = {client.call(expert, [x[rows]]): i for i, (expert, rows) in enumerate(zip(routing.experts,
-                                                                                          routing.examples))}
+        requests = [(expert, [x[rows]]) for expert, rows in zip(routing.experts, routing.examples)]
+        futures = {future: i for i, future in enumerate(client.call_many(requests))}
         replies = _wait(futures, routing, k_min, forward_timeout, timeout_after_k_min)
         client.stats.ok += len(replies)
         client.stats.failed += len(futures) - len(replies)
@@ -216,10 +367,9 @@ class _RemoteExperts(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         routing: Routing = ctx.routing
         grad_outputs = grad_outputs.cpu()
-        futures = {}
-        for i in ctx.answered:
-            rows, slots = routing.examples[i], routing.slots[i]
-            futures[ctx.client.call(routing.experts[i], [x[rows], grad_outputs[rows, slots]], backward=True)] = i
+        requests = [(routing.experts[i], [x[routing.examples[i]], grad_outputs[routing.examples[i], routing.slots[i]]])
+                    for i in ctx.answered]
+        futures = dict(zip(ctx.client.call_many(requests, backward=True), ctx.answered))
         # every answering expert gets its gradient (and updates); wait for all within the timeout
         replies = _wait(futures, routing, k_min=routing.k, timeout=ctx.timeout, timeout_after_k_min=ctx.timeout)
         ctx.client.stats.ok += len(replies)

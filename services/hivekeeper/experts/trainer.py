@@ -33,6 +33,7 @@ from hivekeeper.training.optimizers import torch_optimizer_factory
 log = logging.getLogger("hivekeeper.experts.trainer")
 REPORT_SECONDS = 1.0
 RETRY_SECONDS = 0.5  # after a dropped batch: the DHT forgets a dead server's experts within their expiry
+SEARCH_CACHE_SECONDS = 1.0  # beam searches run here over DHT prefix entries read at most this long ago
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,7 +65,8 @@ class ExpertTrainer:
         torch.set_num_threads(1)  # batches in flight are threads; the servers need the cores too
         ctx.start_endpoint()
         self.dht = ctx.make_dht(client_mode=True)  # it only calls out: servers and the DHT
-        self.client = ExpertClient(self.dht, request_seconds=ctx.metrics.expert_request_seconds)
+        self.client = ExpertClient(self.dht, request_seconds=ctx.metrics.expert_request_seconds,
+                                   search_cache_seconds=SEARCH_CACHE_SECONDS)
         self.model = DMoEClassifier(spec, self.client)
         self.optimizer = torch_optimizer_factory(spec.trainers.optimizer)(self.model.parameters())
         self.batches = index_stream(self.task.train_size, spec.trainers.batch_size,
