@@ -38,7 +38,8 @@ from bench_results import write_results
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {  # name: manifest, steps, overrides of its spec
     "demo": ("examples/swarm-digits.yaml", 40, {}),
-    "demo, 1 trainer": ("examples/swarm-digits.yaml", 40, {"trainers": {"replicas": 1}, "auxiliary": {"replicas": 0}}),
+    # alone, a trainer steps many times a second: enough steps for the monitor to see a rate
+    "demo, 1 trainer": ("examples/swarm-digits.yaml", 400, {"trainers": {"replicas": 1}, "auxiliary": {"replicas": 0}}),
     "swarm-lm": ("examples/swarm-lm.yaml", 20, {}),
 }
 
