@@ -39,13 +39,15 @@ from hivekeeper.spec import load_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKS = 6
-CONFIGS = [  # name, spans, compression, weights
-    ("1 server", ["0:6"], "none", "float32"),
-    ("2 servers", ["0:3", "3:6"], "none", "float32"),
-    ("3 servers", ["0:2", "2:4", "4:6"], "none", "float32"),
-    ("3 servers, float16 wire", ["0:2", "2:4", "4:6"], "float16", "float32"),
-    ("3 servers, blockwise 8-bit wire", ["0:2", "2:4", "4:6"], "blockwise8bit", "float32"),
-    ("3 servers, int8 weights", ["0:2", "2:4", "4:6"], "none", "int8"),
+CONFIGS = [  # name, spans, compression, weights, direct path (else every call through p2pd)
+    ("1 server", ["0:6"], "none", "float32", True),
+    ("1 server, through p2pd", ["0:6"], "none", "float32", False),
+    ("2 servers", ["0:3", "3:6"], "none", "float32", True),
+    ("3 servers", ["0:2", "2:4", "4:6"], "none", "float32", True),
+    ("3 servers, through p2pd", ["0:2", "2:4", "4:6"], "none", "float32", False),
+    ("3 servers, float16 wire", ["0:2", "2:4", "4:6"], "float16", "float32", True),
+    ("3 servers, blockwise 8-bit wire", ["0:2", "2:4", "4:6"], "blockwise8bit", "float32", True),
+    ("3 servers, int8 weights", ["0:2", "2:4", "4:6"], "none", "int8", True),
 ]
 
 
@@ -91,6 +93,24 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(seconds), result
 
 
+def hop_breakdown(log: list[dict]) -> dict:
+    """Medians over one-token inference steps (RemoteSequence.hop_log): the client's whole hop,
+    the server's compute, and the overhead between them, split into the server's part
+    (queueing, decoding) and the rest (the wire both ways, both sides' encoding, the client's
+    decoding)."""
+    steps = [e for e in log if e["kind"] == "inference" and e.get("tokens") == 1 and "compute_ms" in e]
+    if not steps:
+        return {}
+
+    def median(key) -> float:
+        return round(statistics.median(key(e) for e in steps), 3)
+
+    return {"steps": len(steps), "hopMs": median(lambda e: e["rpc_ms"]), "computeMs": median(lambda e: e["compute_ms"]),
+            "overheadMs": median(lambda e: e["rpc_ms"] - e["compute_ms"]),
+            "serverOverheadMs": median(lambda e: e["handler_ms"] - e["compute_ms"]),
+            "wireAndCodecsMs": median(lambda e: e["rpc_ms"] - e["handler_ms"])}
+
+
 def main() -> None:
     import hivemind
 
@@ -129,7 +149,7 @@ def main() -> None:
         dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         peers = [str(a) for a in dht.get_visible_maddrs()]
         try:
-            for k, (name, spans, compression, weights) in enumerate(CONFIGS):
+            for k, (name, spans, compression, weights, direct) in enumerate(CONFIGS):
                 path = manifest(tmp, f"bench-{k}", args.hidden, compression, weights)
                 processes = start_servers(path, spans, peers, tmp)
                 try:
@@ -140,10 +160,14 @@ def main() -> None:
                         time.sleep(0.5)
                     client_dht = hivemind.DHT(initial_peers=peers, client_mode=True, start=True)
                     try:
-                        sequence = RemoteSequence(client_dht, path.stem, BLOCKS, args.hidden, compression)
+                        sequence = RemoteSequence(client_dht, path.stem, BLOCKS, args.hidden, compression,
+                                                  direct=direct)
                         model = RemoteCausalLM(model_spec, sequence)
                         model.generate(prompt, 2)  # warm-up: pings, connections
+                        sequence.hop_log = []
                         seconds, tokens = timed(lambda: model.generate(prompt, args.tokens), args.repeats)
+                        hops = hop_breakdown(sequence.hop_log)
+                        sequence.hop_log = None
                         new, expected = tokens[0, prompt.shape[1]:], reference[0, prompt.shape[1]:]
                         forward, _ = timed(lambda: sequence.forward_span(batch, 0, BLOCKS)[0], args.repeats)
                         request = protocol.make_request(0, 1, [torch.randn(1, 1, args.hidden)], {"session": "x"},
@@ -160,6 +184,7 @@ def main() -> None:
                             "forwardRatio": round(local_forward_tps / forward_tps, 2),
                             "tokensMatchingLocal": int((new == expected).cumprod(0).sum()),
                             "stepRequestBytes": len(request.SerializeToString()),
+                            "path": "direct" if direct else "p2pd", "hops": hops,
                         }
                     finally:
                         client_dht.shutdown()
@@ -170,12 +195,15 @@ def main() -> None:
 
     table = Table(title=f"Distributed generation vs local ({BLOCKS} blocks, hidden {args.hidden}, "
                         f"{args.tokens} greedy tokens; forward batch {args.batch}x128)")
-    for column in ("config", "tokens/s", "local tokens/s", "local/remote", "forward tok/s", "local forward tok/s",
-                   "forward local/remote", "same tokens as local", "step request bytes"):
+    for column in ("config", "tokens/s", "local tokens/s", "local/remote", "hop ms", "compute ms", "overhead ms",
+                   "forward tok/s", "local forward tok/s", "forward local/remote", "same tokens as local",
+                   "step request bytes"):
         table.add_column(column, justify="left" if column == "config" else "right")
     for name, r in results["configs"].items():
+        hops = r["hops"]
         table.add_row(name, f"{r['tokensPerSecond']:.1f}", f"{r['localTokensPerSecond']:.1f}",
-                      f"{r['overheadRatio']:.2f}", f"{r['forwardTokensPerSecond']:.0f}",
+                      f"{r['overheadRatio']:.2f}", f"{hops.get('hopMs', 0):.2f}", f"{hops.get('computeMs', 0):.2f}",
+                      f"{hops.get('overheadMs', 0):.2f}", f"{r['forwardTokensPerSecond']:.0f}",
                       f"{r['localForwardTokensPerSecond']:.0f}", f"{r['forwardRatio']:.2f}",
                       f"{r['tokensMatchingLocal']}/{args.tokens}", str(r["stepRequestBytes"]))
     Console(width=190).print(table)
