@@ -28,8 +28,8 @@ averaging overlap, and among its ties it may take a computing peer out to aggreg
 demo it turned two of three trainers into pure aggregators now and then, so steps waited for
 fewer samples, and every switch back cost a state reload. A step without delayed updates does
 one after the other, so once the fixed costs are measured `plan_whole_steps` keeps the LP's
-plan only if it makes more whole steps than the plan in which every peer with samples computes
-(shares re-solved for those roles); the LP itself is unchanged.
+plan only if it makes clearly more whole steps (by the balancer's `drift`) than the plan in which
+every peer with samples computes (shares re-solved for those roles); the LP itself is unchanged.
 """
 
 from __future__ import annotations
@@ -141,13 +141,15 @@ def everyone_computes(problem: AveragingProblem) -> AveragingPlan:
     return plan_for_roles(problem, {peer.name: peer.samples_per_second > 0 for peer in problem.peers})
 
 
-def plan_whole_steps(problem: AveragingProblem, fixed: Optional[FixedCosts], overlap: bool) -> AveragingPlan:
-    """The LP's plan, or the one where every peer with samples computes when that makes more
-    whole steps per second (ties go to more computing peers); the LP's alone without fixed costs."""
+def plan_whole_steps(problem: AveragingProblem, fixed: Optional[FixedCosts], overlap: bool,
+                     margin: float = 0.0) -> AveragingPlan:
+    """The plan where every peer with samples computes, unless the LP's makes more than `margin`
+    more whole steps per second (a peer left out of computing wastes its samples, and moving it
+    back costs it a state reload); the LP's alone without fixed costs."""
     lp = plan_averaging(problem)
     if fixed is None:
         return lp
     everyone = everyone_computes(problem)
-    if whole_steps_per_second(everyone, fixed, overlap) >= whole_steps_per_second(lp, fixed, overlap):
-        return everyone
-    return lp
+    if whole_steps_per_second(lp, fixed, overlap) > (1 + margin) * whole_steps_per_second(everyone, fixed, overlap):
+        return lp
+    return everyone

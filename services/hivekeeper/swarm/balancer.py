@@ -117,11 +117,11 @@ def drifted(old: AveragingProblem, new: AveragingProblem, threshold: float) -> O
     return None
 
 
-def predicted_step(throughput: Throughput, phases: Sequence[StepPhases], overlap: bool) -> Optional[StepTime]:
+def predicted_step(throughput: Throughput, fixed: Optional[FixedCosts], overlap: bool) -> Optional[StepTime]:
     """The plan's step with the fixed costs its computing peers measured; None before any has."""
-    step = predict_step(throughput.compute_bound, throughput.aggregation_bound, FixedCosts(), overlap)
-    fixed = fixed_costs(phases, step.compute, step.transfer)
-    return None if fixed is None else replace(step, fixed=fixed)
+    if fixed is None:
+        return None
+    return predict_step(throughput.compute_bound, throughput.aggregation_bound, fixed, overlap)
 
 
 def with_step(plan: SignedPlan, step: Optional[StepTime]) -> SignedPlan:
@@ -217,12 +217,14 @@ class Balancer:
         overlap = self.ctx.spec.averaging.delayed_parameter_updates
         fixed = self.fixed_costs(inputs, reports)
         reason = "first plan" if self.inputs is None else drifted(self.inputs.problem, inputs.problem, settings.drift)
-        if reason is None and fixed is not None and self.leaves_compute_out(inputs):
-            reason = "fixed costs: a plan where every peer computes may make more steps"
         now = get_dht_time()
-        solved = plan_whole_steps(inputs.problem, fixed, overlap) if reason is not None else None
-        if solved is not None and not reason.startswith("peers") and self.plan is not None \
-                and not self.clearly_better(inputs, solved, fixed):
+        solved = plan_whole_steps(inputs.problem, fixed, overlap, settings.drift) \
+            if reason is not None or fixed is not None else None
+        if reason is None and solved is not None:
+            # the inputs held, but with the fixed costs measured other roles make more whole steps
+            reason = None if self.same_roles(solved) else "fixed costs: other roles make more whole steps"
+            solved = solved if reason is not None else None
+        elif solved is not None and reason.startswith("inputs") and not self.clearly_better(inputs, solved, fixed):
             solved = None
         if solved is not None:
             self.inputs, self.solve_seconds = inputs, solved.solve_seconds
@@ -242,7 +244,10 @@ class Balancer:
                                 compute_bound=_finite(current.compute_bound),
                                 aggregation_bound=_finite(current.aggregation_bound),
                                 averaging_seconds=_finite(current.averaging_seconds))
-        self.step_time = predicted_step(self.current_throughput(inputs), self.computing_phases(reports), overlap)
+        # the fixed costs as measured under the plan peers followed until now (a new plan's
+        # peers have not measured theirs yet)
+        self.step_time = predicted_step(self.current_throughput(inputs), fixed or self.fixed_costs(inputs, reports),
+                                        overlap)
         self.plan = with_step(self.plan, self.step_time)
         publish_plan(dht, self.plan, self.key)
         self.export(inputs)
@@ -266,10 +271,9 @@ class Balancer:
     def _bounds(throughput: Throughput) -> tuple[float, float]:
         return throughput.compute_bound, throughput.aggregation_bound
 
-    def leaves_compute_out(self, inputs: PlanInputs) -> bool:
-        """The current plan has a peer that could compute only aggregate."""
-        samples = {p.name: p.samples_per_second for p in inputs.problem.peers}
-        return any(not p.computes_gradients and samples.get(p.peer_id, 0) > 0 for p in self.plan.peers)
+    def same_roles(self, solved: AveragingPlan) -> bool:
+        current = {p.peer_id: p.computes_gradients for p in self.plan.peers}
+        return {r.name: r.computes_gradients for r in solved.peers} == current
 
     def current_throughput(self, inputs: PlanInputs) -> Throughput:
         return throughput_of(inputs.problem, {p.peer_id: p.computes_gradients for p in self.plan.peers},
