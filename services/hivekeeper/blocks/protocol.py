@@ -63,7 +63,7 @@ class ServerInfo:
     cache_tokens_left: int
     version: str = PROTOCOL_VERSION
     time: float = 0.0
-    # "host:port" where the server also answers block calls directly over gRPC (direct.py), for
+    # "host:port" where the server also answers block calls on a TCP port of its own (direct.py), for
     # clients that can reach it; "" (and in records of 1.0 servers): through p2pd only
     direct: str = ""
 

@@ -73,7 +73,7 @@ class BlockServicer(ServicerBase):
         return await asyncio.get_running_loop().run_in_executor(self.pool, self.handle, kind, request, entered)
 
     def handle_bytes(self, kind: str, data: bytes) -> bytes:
-        """A call from the direct path (on one of gRPC's threads): handled on the compute thread."""
+        """A call from the direct path (on its connection's thread): handled on the compute thread."""
         entered = time.perf_counter()
         return self.pool.submit(self._handle_bytes, kind, data, entered).result()
 
