@@ -186,3 +186,39 @@ def test_the_server_handler_answers_each_part_of_a_message(monkeypatch):
     with torch.no_grad():
         assert torch.equal(backends["expert.0"].module(x), before["expert.0", "x"])
         assert not torch.equal(backends["expert.1"].module(x), before["expert.1", "x"])
+
+
+def test_tensors_go_on_the_wire_as_hivemind_writes_them():
+    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+
+    from hivekeeper.hivemind_ext.moe_handler import to_wire
+
+    for tensor in (torch.randn(3, 4), torch.randn(5, 2, 3)[1:4], torch.randn(2, 3, requires_grad=True),
+                   torch.arange(6).view(2, 3)[:, :2], torch.randn(4, 4).to(torch.bfloat16)):
+        assert to_wire(tensor) == serialize_torch_tensor(tensor)
+        assert torch.equal(deserialize_torch_tensor(to_wire(tensor)), tensor.detach())
+
+
+def test_a_reply_behaves_as_a_future():
+    reply = dmoe.Reply()
+    seen = []
+    reply.add_done_callback(seen.append)
+    with pytest.raises(TimeoutError):
+        reply.result(timeout=0.01)
+    threading.Timer(0.05, reply.set_result, ([1],)).start()
+    assert reply.result(timeout=30) == [1] and reply.exception() is None and seen == [reply]
+    assert not reply.cancel() and not reply.cancelled()
+    failed = dmoe.Reply()
+    failed.set_exception(RuntimeError("refused"))
+    with pytest.raises(RuntimeError, match="refused"):
+        failed.result()
+    with pytest.raises(dmoe.InvalidStateError):
+        failed.set_result([2])
+    cancelled = dmoe.Reply()
+    assert cancelled.cancel() and cancelled.cancel() and cancelled.cancelled()
+    with pytest.raises(dmoe.CancelledError):
+        cancelled.result()
+    with pytest.raises(dmoe.InvalidStateError):
+        cancelled.set_result([3])
+    cancelled.add_done_callback(seen.append)
+    assert seen == [reply, cancelled]

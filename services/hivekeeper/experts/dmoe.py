@@ -21,30 +21,29 @@ and the tensor wire format are hivemind's; a message to several experts is hivek
 from __future__ import annotations
 
 import asyncio
+import queue
 import random
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import Sequence
 
 import numpy as np
 import torch
-from hivemind.compression import serialize_torch_tensor
 from hivemind.dht import DHT
 from hivemind.moe.client.expert import MAX_UNARY_PAYLOAD_SIZE, expert_backward, expert_forward, get_server_stub
 from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
 from hivemind.moe.expert_uid import ExpertInfo
 from hivemind.p2p import P2P, PeerID
-from hivemind.proto.runtime_pb2 import CompressionType
 from prometheus_client import Histogram
 from torch import nn
 from torch.autograd.function import once_differentiable
 
 from hivekeeper.experts.beam import beam_search, fetch_from_dht
 from hivekeeper.experts.grid import UID_DELIMITER
-from hivekeeper.hivemind_ext.moe_handler import BACKWARD, FORWARD, call_experts
+from hivekeeper.hivemind_ext.moe_handler import BACKWARD, FORWARD, call_experts, to_wire
 
 # hivemind's DHT process reads its request pipe non-blocking: a request that multiprocessing
 # writes in two parts (over 16 KiB pickled) is read half, and the DHT process then dies
@@ -102,12 +101,12 @@ class ExpertClient:
         self.messages = 0  # messages sent (each one delay, one RPC)
         self.dht_lock = threading.Lock()  # DHT requests share one pipe: one sender at a time
 
-    def call(self, expert: ExpertInfo, tensors: Sequence[torch.Tensor], backward: bool = False) -> Future:
+    def call(self, expert: ExpertInfo, tensors: Sequence[torch.Tensor], backward: bool = False) -> Reply:
         """A future of the expert's outputs (forward) or input gradients (backward)."""
         return self.call_many([(expert, tensors)], backward)[0]
 
     def call_many(self, requests: Sequence[tuple[ExpertInfo, Sequence[torch.Tensor]]],
-                  backward: bool = False) -> list[Future]:
+                  backward: bool = False) -> list[Reply]:
         """`call` for several requests at once: those to the same server share a message."""
         batch = [_Request(expert, list(tensors), backward) for expert, tensors in requests]
         self._loop.call_soon_threadsafe(self._enqueue, batch)
@@ -132,7 +131,7 @@ class ExpertClient:
                 request.future.add_done_callback(partial(self._on_done, request))
             self.messages += 1
 
-    def _on_done(self, request: _Request, future: Future) -> None:
+    def _on_done(self, request: _Request, future: Reply) -> None:
         if future.cancelled():  # the layer stopped waiting for it (called in the layer's thread)
             self._loop.call_soon_threadsafe(self._cancelled, request)
 
@@ -151,7 +150,7 @@ class ExpertClient:
             if len(live) == 1:
                 (request,) = live
                 stub = get_server_stub(self.p2p, peer_id)
-                serialized = [serialize_torch_tensor(t, CompressionType.NONE) for t in request.tensors]
+                serialized = [to_wire(t) for t in request.tensors]
                 send = expert_backward if backward else expert_forward
                 results = [await send(request.expert.uid, request.tensors, serialized, stub)]
             else:
@@ -235,6 +234,75 @@ class _FetchPrefixes:
         return await fetch_from_dht(node, self.prefixes)
 
 
+_PENDING, _FINISHED, _FAILED, _CANCELLED = "pending", "finished", "failed", "cancelled"
+
+
+class Reply:
+    """A request's reply: concurrent.futures.Future's interface (done, cancel, result, exception,
+    callbacks), without what a Future builds and locks per instance and per callback (a Python
+    Condition): a trainer with hundreds of batches in flight makes thousands a second. Set once,
+    from the client's event loop; cancelled by the layer that stops waiting."""
+
+    __slots__ = ("_lock", "_state", "_value", "_callbacks")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state, self._value, self._callbacks = _PENDING, None, []
+
+    def done(self) -> bool:
+        return self._state is not _PENDING
+
+    def cancelled(self) -> bool:
+        return self._state is _CANCELLED
+
+    def cancel(self) -> bool:
+        return self._settle(_CANCELLED, None) or self._state is _CANCELLED
+
+    def set_result(self, value) -> None:
+        if not self._settle(_FINISHED, value):
+            raise InvalidStateError(f"the reply is already {self._state}")
+
+    def set_exception(self, error: BaseException) -> None:
+        if not self._settle(_FAILED, error):
+            raise InvalidStateError(f"the reply is already {self._state}")
+
+    def add_done_callback(self, callback) -> None:
+        with self._lock:
+            if self._state is _PENDING:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait(timeout)
+        return self._value if self._state is _FAILED else None
+
+    def result(self, timeout: float | None = None):
+        self._wait(timeout)
+        if self._state is _FAILED:
+            raise self._value
+        return self._value
+
+    def _wait(self, timeout: float | None) -> None:
+        if self._state is _PENDING:
+            settled = threading.Event()
+            self.add_done_callback(lambda _: settled.set())
+            if not settled.wait(timeout):
+                raise TimeoutError("no reply yet")
+        if self._state is _CANCELLED:
+            raise CancelledError()
+
+    def _settle(self, state: str, value) -> bool:
+        with self._lock:
+            if self._state is not _PENDING:
+                return False
+            self._state, self._value = state, value
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+        return True
+
+
 @dataclass(eq=False)
 class _Request:
     """One request to one expert, from `call_many` until its future is settled."""
@@ -242,7 +310,7 @@ class _Request:
     expert: ExpertInfo
     tensors: list[torch.Tensor]
     backward: bool
-    future: Future = field(default_factory=Future)
+    future: Reply = field(default_factory=Reply)
     started: float = field(default_factory=time.perf_counter)
     message: list["_Request"] = field(default_factory=list)  # the requests sent with it
     task: asyncio.Task | None = None  # the message's sending
@@ -313,7 +381,7 @@ class Routing:
         return cls(experts, examples, slots, len(choices), k)
 
 
-def _wait(futures: dict[Future, int], routing: Routing, k_min: int, timeout: float,
+def _wait(futures: dict[Future | Reply, int], routing: Routing, k_min: int, timeout: float,
           timeout_after_k_min: float) -> dict[int, list[torch.Tensor]]:
     """Replies by expert index: every example gets min(kMin, its experts) replies if it can, plus
     whatever arrives within `timeout_after_k_min` after that, all within `timeout`."""
@@ -323,21 +391,23 @@ def _wait(futures: dict[Future, int], routing: Routing, k_min: int, timeout: flo
     needed = needed.clamp(max=k_min)
     have = torch.zeros_like(needed)
     replies: dict[int, list[torch.Tensor]] = {}
+    finished: queue.SimpleQueue[Future | Reply] = queue.SimpleQueue()  # lighter than concurrent.futures.wait's waiters
+    for future in futures:
+        future.add_done_callback(finished.put)
     deadline = time.monotonic() + timeout
-    pending = set(futures)
-    while pending:
-        done, pending = wait(pending, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
-        if not done:
+    for _ in range(len(futures)):
+        try:
+            future = finished.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
             break
-        for future in done:
+        if not future.cancelled() and future.exception() is None:
             index = futures[future]
-            if future.exception() is None:
-                replies[index] = future.result()
-                have[routing.examples[index]] += 1
-        if bool((have >= needed).all()):
-            deadline = min(deadline, time.monotonic() + timeout_after_k_min)
-    for future in pending:
-        future.cancel()
+            replies[index] = future.result()
+            have[routing.examples[index]] += 1
+            if bool((have >= needed).all()):
+                deadline = min(deadline, time.monotonic() + timeout_after_k_min)
+    for future in futures:
+        future.cancel()  # no effect on those already done
     return replies
 
 
@@ -411,20 +481,22 @@ class DMoE(nn.Module):
         if bool(short.any()):
             raise ExpertsUnavailable(f"{int(short.sum())} of {len(choices)} examples got fewer than kMin="
                                      f"{self.k_min} expert replies")
-        logits = self._expert_logits(grid_scores, choices).to(x.device)
+        logits = self._expert_logits(grid_scores, routing).to(x.device)
         weights = torch.softmax(logits.masked_fill(~mask.to(x.device), float("-inf")), dim=1)
         weights = weights.view(*weights.shape, *([1] * (outputs.ndim - 2)))
         return (weights * outputs.to(x.device)).sum(dim=1)
 
-    def _expert_logits(self, grid_scores: list[torch.Tensor], choices: list[list[ExpertInfo]]) -> torch.Tensor:
+    def _expert_logits(self, grid_scores: list[torch.Tensor], routing: Routing) -> torch.Tensor:
         """g(x, f) = sum_i g_i(x)[u_i] for each example's chosen experts; -inf pads missing slots."""
-        rows, slots, cells = [], [], []
-        for example, chosen in enumerate(choices):
-            for slot, expert in enumerate(chosen):
-                rows.append(example)
-                slots.append(slot)
-                cells.append([int(c) for c in expert.uid[len(self.uid_prefix) + 1:].split(UID_DELIMITER)])
-        rows_t, cells_t = torch.tensor(rows), torch.tensor(cells)
-        flat = sum(scores[rows_t, cells_t[:, i]] for i, scores in enumerate(grid_scores))
-        logits = grid_scores[0].new_full((len(choices), self.k_best), float("-inf"))
-        return logits.index_put((rows_t, torch.tensor(slots)), flat)
+        rows, slots = torch.cat(routing.examples), torch.cat(routing.slots)
+        cells = torch.tensor([_cell(expert.uid, len(self.uid_prefix) + 1) for expert in routing.experts])
+        cells = cells.repeat_interleave(torch.tensor([len(r) for r in routing.examples]), dim=0)
+        flat = sum(scores[rows, cells[:, i]] for i, scores in enumerate(grid_scores))
+        logits = grid_scores[0].new_full((routing.batch_size, self.k_best), float("-inf"))
+        return logits.index_put((rows, slots), flat)
+
+
+@lru_cache(maxsize=65536)
+def _cell(uid: str, start: int) -> tuple[int, ...]:
+    """An expert's grid coordinates: its uid after the prefix (`start` characters)."""
+    return tuple(int(c) for c in uid[start:].split(UID_DELIMITER))
