@@ -1,6 +1,8 @@
 """Distributed inference through BlockServer servers on loopback against the same blocks run
-locally: greedy generation tokens/s with 1, 2 and 3 servers (the overhead ratio), forward
-throughput for a batch, and what wire compression (float16, blockwise 8-bit) and 8-bit
+locally: greedy generation tokens/s with 1, 2 and 3 servers (the overhead ratio), over the
+direct path and (rows "through p2pd") with every call through p2pd, with the per-hop breakdown
+of one-token steps (the client's hop, the server's compute, the overhead between them),
+forward throughput for a batch, and what wire compression (float16, blockwise 8-bit) and 8-bit
 weights cost in speed, bytes and agreement with the exact model.
 
 Anchor: Petals reports about 1 inference step/s for BLOOM-176B over 3 A100 servers (sections 3-4);

@@ -10,7 +10,10 @@ first, over the time after the first), time to first token (generate() called to
 token: prefill of the prompt through the chain, and the first token), whether the tokens equal
 each other's and the whole model's run locally by transformers, and hivekeeper's per-hop
 breakdown of one-token steps: the client's whole hop, the server's compute, and the overhead
-between them (what the wire, the codecs and the server's queueing add).
+between them (what the wire, the codecs and the server's queueing add); and the servers'
+compute alone for the prompt and for a token, with the ratios to Petals it would allow if
+nothing else took any time (both systems run the same blocks on the same cores, so the compute
+is a floor neither can go under).
 
 Anchors: Petals 2.2 itself, measured here; and the issue's per-hop overhead through p2pd,
 3.9 ms for a one-token step on loopback (2.7 ms of it the RPC through p2pd).
@@ -166,9 +169,10 @@ class PetalsClient:
         return self.read()
 
     def close(self) -> None:
-        try:
-            self.ask(cmd="quit")
-        except (RuntimeError, BrokenPipeError, ValueError):
+        try:  # it leaves its loop; Petals' threads may keep the process up: stop() ends it
+            self.process.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            self.process.stdin.close()
+        except (BrokenPipeError, ValueError):
             pass
         stop([self.process])
 
@@ -213,6 +217,24 @@ def summarize(runs: list[dict], new_tokens: int) -> dict:
             "ttftMs": round(1000 * statistics.median(r["ttft"] for r in runs), 1),
             "decodeTokensPerSecondEach": [round(rate, 2) for rate in rates],
             "ttftMsEach": [round(1000 * r["ttft"], 1) for r in runs]}
+
+
+def compute_floor(log: list[dict], petals: dict) -> dict:
+    """The servers' compute alone, summed over the chain's spans (medians per span): for the
+    prompt's prefill and for a one-token step; and the ratios to Petals they would give if
+    nothing else (wire, codecs, the client's head) took any time."""
+    def per_chain(steps: list[dict]) -> float:
+        spans: dict[tuple[int, int], list[float]] = {}
+        for e in steps:
+            spans.setdefault((e["start"], e["end"]), []).append(e["compute_ms"])
+        return sum(statistics.median(times) for times in spans.values())
+
+    inference = [e for e in log if e["kind"] == "inference" and "compute_ms" in e]
+    prefill = per_chain([e for e in inference if e["tokens"] > 1])
+    step = per_chain([e for e in inference if e["tokens"] == 1])
+    return {"prefillComputeMs": round(prefill, 2), "stepComputeMs": round(step, 2),
+            "ttftFloorVsPetals": round(prefill / petals["ttftMs"], 2),
+            "decodeCeilingVsPetals": round(1000 / step / petals["decodeTokensPerSecond"], 2)}
 
 
 def run_config(name: str, spans: list[str], python: Path, checkpoint: Path, tmp: Path, args: argparse.Namespace,
@@ -284,6 +306,7 @@ def run_config(name: str, spans: list[str], python: Path, checkpoint: Path, tmp:
     config["tokensEqualAcrossSystems"] = all(r["tokens"] == first for s in SYSTEMS for r in runs[s])
     for system, sequence in zip(SYSTEMS[1:], sequences):
         config[system]["hops"] = hop_breakdown(sequence.hop_log)
+        config[system].update(compute_floor(sequence.hop_log, config["petals"]))
         config[system]["decodeVsPetals"] = round(config[system]["decodeTokensPerSecond"]
                                                  / config["petals"]["decodeTokensPerSecond"], 2)
         config[system]["ttftVsPetals"] = round(config[system]["ttftMs"] / config["petals"]["ttftMs"], 2)
@@ -342,8 +365,8 @@ def report(results: dict) -> None:
     table = Table(title=f"Petals 2.2 vs hivekeeper: 8-layer Llama (hidden {model['hidden']}, float32, CPU), "
                         f"{results['promptTokens']}-token prompt, {results['newTokens']} greedy tokens, "
                         f"medians of {results['rounds']} alternating rounds")
-    for column in ("servers", "system", "decode tok/s", "vs Petals", "TTFT ms", "vs Petals", "hop ms",
-                   "compute ms", "overhead ms", "tokens = local"):
+    for column in ("servers", "system", "decode tok/s", "vs Petals", "compute-only ceiling", "TTFT ms", "vs Petals",
+                   "compute-only floor", "hop ms", "compute ms", "overhead ms", "tokens = local"):
         table.add_column(column, justify="left" if column in ("servers", "system") else "right")
     for name, config in results["configs"].items():
         for system in SYSTEMS:
@@ -351,10 +374,14 @@ def report(results: dict) -> None:
             hops = r.get("hops") or {}
             table.add_row(name, system, f"{r['decodeTokensPerSecond']:.1f}",
                           f"{r['decodeVsPetals']:.2f}x" if "decodeVsPetals" in r else "",
+                          f"{r['decodeCeilingVsPetals']:.2f}x" if "decodeCeilingVsPetals" in r else "",
                           f"{r['ttftMs']:.0f}", f"{r['ttftVsPetals']:.2f}x" if "ttftVsPetals" in r else "",
+                          f"{r['ttftFloorVsPetals']:.2f}x" if "ttftFloorVsPetals" in r else "",
                           f"{hops['hopMs']:.2f}" if hops else "", f"{hops['computeMs']:.2f}" if hops else "",
                           f"{hops['overheadMs']:.2f}" if hops else "", "yes" if r["tokensEqualLocal"] else "NO")
-    Console(width=200).print(table)
+    Console(width=220).print(table)
+    print("compute-only ceiling / floor: the ratio to Petals if the servers' compute were all a token or the "
+          "prompt cost (no wire, no codecs, no client work)")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
 
