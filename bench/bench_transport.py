@@ -13,7 +13,7 @@ block server does, through:
 Each twice: the server answering at once, and the server first spending about 15 ms of
 memory-bound compute (a matrix-vector product over 235 MB of float32, as an 8-block span's
 one-token step): after that, the reply's code paths run with cold caches, which is what a real
-hop pays. With compute, the compute alone is measured in the server process and subtracted.
+hop pays. The server times each call's compute and sends that along; the client subtracts it.
 
 Anchor: the issue's per-hop overhead through p2pd on loopback, 2.7 ms of RPC (3.9 ms in all).
 Prints a table and writes bench/results/transport.json.
@@ -30,6 +30,7 @@ import os
 import queue
 import signal
 import statistics
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
@@ -54,23 +55,27 @@ class Work:
         self.weights = torch.randn(WEIGHTS // HIDDEN, HIDDEN) if compute else None
         self.x = torch.ones(HIDDEN)
 
-    def run(self, payload):
+    def run(self) -> bytes:
+        """The compute, and how long it took (8 bytes: the reply carries them, so that the
+        client subtracts each call's own compute from its round trip)."""
+        began = time.perf_counter()
         if self.weights is not None:
             import torch
 
             torch.mv(self.weights, self.x)
-        return payload
+        return struct.pack("!d", time.perf_counter() - began)
 
-    def on_compute(self, payload):
-        return self.pool.submit(self.run, payload).result()
+    def reply_bytes(self, data: bytes) -> bytes:
+        """A request in bytes, answered on the compute thread: the compute's duration, the request echoed."""
+        return self.pool.submit(self.run).result() + data
 
-    def compute_ms(self, repeats: int = 30) -> float:
-        times = []
-        for _ in range(repeats):
-            began = time.perf_counter()
-            self.run(None)
-            times.append(time.perf_counter() - began)
-        return 1000 * statistics.median(times)
+    def reply_proto(self, request):
+        return runtime_pb2.ExpertResponse(tensors=request.tensors, metadata=self.run())
+
+
+def compute_of(reply) -> float:
+    """Seconds of the server's compute for this reply."""
+    return struct.unpack("!d", reply.metadata if isinstance(reply, runtime_pb2.ExpertResponse) else reply[:8])[0]
 
 
 def request_bytes() -> bytes:
@@ -92,19 +97,17 @@ def p2pd_server(out: mp.Queue, compute: bool) -> None:
     class Servicer(ServicerBase):
         async def rpc_unary(self, request: runtime_pb2.ExpertRequest, context: P2PContext
                             ) -> runtime_pb2.ExpertResponse:
-            done = await asyncio.get_running_loop().run_in_executor(work.pool, work.run, request)
-            return runtime_pb2.ExpertResponse(tensors=done.tensors, metadata=done.metadata)
+            return await asyncio.get_running_loop().run_in_executor(work.pool, work.reply_proto, request)
 
         async def rpc_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                              ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
             async for request in requests:
-                done = await asyncio.get_running_loop().run_in_executor(work.pool, work.run, request)
-                yield runtime_pb2.ExpertResponse(tensors=done.tensors, metadata=done.metadata)
+                yield await asyncio.get_running_loop().run_in_executor(work.pool, work.reply_proto, request)
 
     async def main() -> None:
         p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         await Servicer().add_p2p_handlers(p2p)
-        out.put(([str(a) for a in await p2p.get_visible_maddrs()], p2p.peer_id.to_base58(), work.compute_ms()))
+        out.put(([str(a) for a in await p2p.get_visible_maddrs()], p2p.peer_id.to_base58()))
         await asyncio.Event().wait()
 
     asyncio.run(main())
@@ -117,15 +120,15 @@ def grpc_server(out: mp.Queue, compute: bool) -> None:
 
     def stream(requests, context):
         for request in requests:
-            yield work.on_compute(request)
+            yield work.reply_bytes(request)
 
-    handlers = {"Unary": grpc.unary_unary_rpc_method_handler(lambda request, context: work.on_compute(request)),
+    handlers = {"Unary": grpc.unary_unary_rpc_method_handler(lambda request, context: work.reply_bytes(request)),
                 "Stream": grpc.stream_stream_rpc_method_handler(stream)}
     server = grpc.server(ThreadPoolExecutor(8), options=[("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Blocks", handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    out.put((port, work.compute_ms()))
+    out.put(port)
     server.wait_for_termination()
 
 
@@ -133,8 +136,8 @@ def direct_server(out: mp.Queue, compute: bool) -> None:
     from hivekeeper.blocks.direct import DirectServer
 
     work = Work(compute)
-    server = DirectServer("QmBench", lambda kind, data: work.on_compute(data), "127.0.0.1")
-    out.put((server.port, work.compute_ms()))
+    server = DirectServer("QmBench", lambda kind, data: work.reply_bytes(data), "127.0.0.1")
+    out.put(server.port)
     while True:
         time.sleep(3600)
 
@@ -142,14 +145,15 @@ def direct_server(out: mp.Queue, compute: bool) -> None:
 # --- clients (in this process) ---------------------------------------------------------------
 
 def timed(call, calls: int) -> list[float]:
+    """Milliseconds of each call's round trip beyond the server's compute for it."""
     for _ in range(5):
         call()
-    times = []
+    overheads = []
     for _ in range(calls):
         began = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - began)
-    return times
+        reply = call()
+        overheads.append(1000 * (time.perf_counter() - began - compute_of(reply)))
+    return overheads
 
 
 def p2pd_clients(address, calls: int) -> dict[str, list[float]]:
@@ -163,7 +167,7 @@ def p2pd_clients(address, calls: int) -> dict[str, list[float]]:
         async def rpc_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                              ) -> AsyncIterator[runtime_pb2.ExpertResponse]: ...
 
-    maddrs, peer, _ = address
+    maddrs, peer = address
     p2p = worker.run_coroutine(P2P.create(initial_peers=[f"{maddrs[0]}/p2p/{peer}"]))
     stub = Servicer.get_stub(p2p, PeerID.from_base58(peer))
     request = runtime_pb2.ExpertRequest.FromString(request_bytes())
@@ -196,7 +200,7 @@ async def _make_queue() -> asyncio.Queue:
 def grpc_clients(address, calls: int) -> dict[str, list[float]]:
     import grpc
 
-    port, _ = address
+    port = address
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.enable_http_proxy", 0)])
     data = request_bytes()
     unary = channel.unary_unary("/bench.Blocks/Unary")
@@ -217,7 +221,7 @@ def grpc_clients(address, calls: int) -> dict[str, list[float]]:
 def direct_clients(address, calls: int) -> dict[str, list[float]]:
     from hivekeeper.blocks.direct import DirectClient
 
-    port, _ = address
+    port = address
     client = DirectClient()
     data = request_bytes()
     target = f"127.0.0.1:{port}"
@@ -231,14 +235,13 @@ def _in_own_group(server, out: mp.Queue, compute: bool) -> None:
     server(out, compute)
 
 
-def measure(server, clients, compute: bool, calls: int) -> tuple[dict[str, list[float]], float]:
+def measure(server, clients, compute: bool, calls: int) -> dict[str, list[float]]:
     ctx = mp.get_context("spawn")  # a clean process: no threads or torch state of this one
     out = ctx.Queue()
     process = ctx.Process(target=_in_own_group, args=(server, out, compute), daemon=True)
     process.start()
     try:
-        address = out.get(timeout=120)
-        return clients(address, calls), address[-1]
+        return clients(out.get(timeout=120), calls)
     finally:
         try:
             os.killpg(process.pid, signal.SIGKILL)
@@ -259,22 +262,18 @@ def main() -> None:
         calls = args.calls // 4 if compute else args.calls
         for server, clients in ((p2pd_server, p2pd_clients), (grpc_server, grpc_clients),
                                 (direct_server, direct_clients)):
-            measured, compute_ms = measure(server, clients, compute, calls)
-            for name, times in measured.items():
-                overhead = [1000 * t - (compute_ms if compute else 0.0) for t in times]
+            measured = measure(server, clients, compute, calls)
+            for name, overheads in measured.items():
                 entry = results["wires"].setdefault(name, {})
-                entry["withComputeMs" if compute else "idleMs"] = round(statistics.median(overhead), 3)
-                if compute:
-                    entry["computeMs"] = round(compute_ms, 2)
+                entry["withComputeMs" if compute else "idleMs"] = round(statistics.median(overheads), 3)
             print(f"{'with' if compute else 'without'} compute: " + ", ".join(
-                f"{n} {statistics.median(t) * 1000 - (compute_ms if compute else 0):.3f} ms" for n, t in measured.items()),
-                flush=True)
+                f"{n} {statistics.median(t):.3f} ms" for n, t in measured.items()), flush=True)
 
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"One-token request round trips on loopback ({results['requestBytes']} bytes each way), "
-                        f"medians; with compute: minus the server's ~15 ms compute")
+    table = Table(title=f"One-token request round trips on loopback ({results['requestBytes']} bytes each way) "
+                        f"beyond the server's compute, medians")
     for column in ("wire", "idle server ms", "after compute ms"):
         table.add_column(column, justify="left" if column == "wire" else "right")
     for name, entry in results["wires"].items():
