@@ -55,7 +55,13 @@ def test_up_trains_to_accuracy_through_a_server_crash(tmp_path, no_leaked_p2pd):
                                "--json", "--prometheus"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: status(run_dir, "expert-trainer-0").get("globalStep", 0) >= 10, 150, "ten trainer batches")
-        before = wait_for(lambda: status(run_dir, "expert-server-1").get("experts"), 30, "server 1's experts")
+
+        def served_experts() -> dict | None:
+            experts = status(run_dir, "expert-server-1").get("experts")
+            return experts if experts and all(e["updates"] > 0 for e in experts.values()) else None
+
+        # the trainer finds a newly announced server within a DHT search period: wait until it used all its experts
+        before = wait_for(served_experts, 60, "server 1's experts updated")
         time.sleep(2.5)  # a checkpoint (every second) covers these counts
         step_at_kill = status(run_dir, "expert-trainer-0")["globalStep"]
         os.kill(server_pid(run_dir, 1), signal.SIGKILL)

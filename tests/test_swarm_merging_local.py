@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for, write_manifest
-from test_swarm_local import crash_trainer, global_step, processes_of, start_up
+from test_swarm_local import crash_trainer, global_step, http_get, ports, processes_of, start_up
 
 MERGING = {"spec": {
     "trainers": {"replicas": 2, "batchSize": 32},
     "averaging": {"mode": "ties", "mergeEverySteps": 10, "matchmakingSeconds": 2.0, "timeoutSeconds": 20},
     "monitor": {"evalEverySteps": 10, "checkpointEverySteps": 100},
-    "stopping": {"targetSteps": 100, "targetMetric": None},
+    "stopping": {"targetSteps": 10_000_000, "targetMetric": None},  # the test ends the run
 }}
 
 
@@ -32,10 +32,18 @@ def log_records(run_dir: Path, name: str) -> list[dict]:
 DILOCO = {"mode": "diloco", "innerSteps": 10, "compression": "float16", "mergeEverySteps": None}
 
 
+def monitor_status(run_dir: Path) -> dict:
+    text = http_get(ports(run_dir).get("monitor-0", 0), "/status") if ports(run_dir) else None
+    return json.loads(text) if text else {}
+
+
 @pytest.mark.swarm
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("averaging", [{}, DILOCO], ids=["ties", "diloco"])
 def test_up_merges_replicas_and_a_restarted_one_joins_from_the_merged_state(tmp_path, no_leaked_p2pd, averaging):
+    """The run goes on until the test has seen the restarted trainer merge again and the monitor
+    evaluate a merged model from after it: how many steps that takes depends on the machine (the
+    digits MLP takes hundreds of local steps a second on an idle one, a restart takes seconds)."""
     run_dir = tmp_path / "run"
     manifest = {"spec": {**MERGING["spec"], "averaging": {**MERGING["spec"]["averaging"], **averaging}}}
     runner = start_up(write_manifest(tmp_path, manifest, base="swarm-digits-ties.yaml"), run_dir)
@@ -48,21 +56,30 @@ def test_up_merges_replicas_and_a_restarted_one_joins_from_the_merged_state(tmp_
             return starts if len(starts) >= 2 else []
 
         starts = wait_for(rejoined, 120, "trainer-1 to come back")
-        out, err = runner.communicate(timeout=240)
+        back_at = starts[-1]["ts"]
+
+        def merged_and_evaluated_after_rejoin() -> dict | None:
+            status = monitor_status(run_dir)
+            last_round = status.get("lastRound") or {}
+            merged = last_round.get("outcome") == "success" and last_round.get("groupSize") == 2 \
+                and last_round.get("time", 0) > back_at
+            evaluated = status.get("evalStep", -1) >= starts[-1]["joined_at_step"] + 10
+            outer_steps = (status.get("outerSteps") or 0) >= 4  # merges, or outer steps: one every 10 local steps
+            return status if merged and evaluated and outer_steps else None
+
+        status = wait_for(merged_and_evaluated_after_rejoin, 90, "a merge of both trainers after the restart")
+        runner.send_signal(signal.SIGINT)
+        out, err = runner.communicate(timeout=60)
     finally:
         if runner.poll() is None:
-            runner.send_signal(signal.SIGINT)
+            runner.kill()
             runner.wait(30)
-    assert runner.returncode == 0, err[-3000:]
+    assert runner.returncode == 130, err[-3000:]
     summary = json.loads(out)
-    assert summary["state"] == "completed" and summary["reason"] == "reached targetSteps=100"
-    assert summary["globalStep"] >= 40  # the step of the last merged model, which the monitor evaluated
+    assert summary["state"] == "interrupted"
     assert summary["processes"]["trainer-1"]["restarts"] >= 1
-    assert summary["metrics"]["accuracy"] > 0.8, summary["metrics"]
+    assert status["evalMetrics"]["accuracy"] > 0.8, status  # the merged model the monitor evaluated
     assert starts[-1]["joined_at_step"] >= 5, starts  # back from a merged state, not from scratch
     history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
-    merges = [e["lastRound"] for e in history if e.get("lastRound")]
-    assert any(m["outcome"] == "success" and m["groupSize"] == 2 for m in merges)
-    assert history[-1]["outerSteps"] >= 4  # merges, or outer steps: one every 10 local steps
     assert history[-1]["averagingBytesSentPerTrainer"] > 0
     assert not processes_of(run_dir)
