@@ -237,6 +237,13 @@ def compute_floor(log: list[dict], petals: dict) -> dict:
             "decodeCeilingVsPetals": round(1000 / step / petals["decodeTokensPerSecond"], 2)}
 
 
+def server_threads(asked: int | None, servers: int) -> int:
+    """Each server's torch threads: as asked, or the cores it would be given if the machine's were
+    shared among the servers as CPU limits share them (2 servers with 2 threads each on 2 cores
+    spin against each other: each one's OpenMP workers keep polling while the other computes)."""
+    return asked or max(1, (os.cpu_count() or 1) // servers)
+
+
 def run_config(name: str, spans: list[str], python: Path, checkpoint: Path, tmp: Path, args: argparse.Namespace,
                prompt, reference: list[int]) -> dict[str, Any]:
     """Both systems' servers for `spans`, three clients, `args.rounds` alternating rounds."""
@@ -248,14 +255,15 @@ def run_config(name: str, spans: list[str], python: Path, checkpoint: Path, tmp:
 
     print(f"{name}: starting servers", flush=True)
     run_id = f"bench-petals-{len(spans)}"
-    path = manifest(tmp, checkpoint, args.threads, run_id)
+    threads = server_threads(args.threads, len(spans))
+    path = manifest(tmp, checkpoint, threads, run_id)
     processes: list[subprocess.Popen] = []
     petals_client = dht = client_dht = None
     sequences: list = []
     try:
         bootstrap, petals_peers = petals_bootstrap(python, tmp)
         processes.append(bootstrap)
-        processes += petals_servers(python, checkpoint, spans, petals_peers, tmp, args.threads)
+        processes += petals_servers(python, checkpoint, spans, petals_peers, tmp, threads)
         dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         peers = [str(a) for a in dht.get_visible_maddrs()]
         processes += start_servers(path, spans, peers, tmp)
@@ -298,7 +306,7 @@ def run_config(name: str, spans: list[str], python: Path, checkpoint: Path, tmp:
         stop(processes)
         if dht is not None:
             dht.shutdown()
-    config: dict[str, Any] = {"spans": spans}
+    config: dict[str, Any] = {"spans": spans, "serverThreads": threads}
     for system in SYSTEMS:
         config[system] = {**summarize(runs[system], args.new_tokens),
                           "tokensEqualLocal": all(r["tokens"] == reference for r in runs[system])}
@@ -322,7 +330,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=6, help="alternating rounds: each system generates once a round")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per server, both systems")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per server, both systems (default: the machine's cores shared among the servers)")
     parser.add_argument("--only", choices=[name for name, _ in CONFIGS], default=None)
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops every server
@@ -340,7 +349,7 @@ def main() -> None:
     results: dict[str, Any] = {"model": {"layers": 8, "hidden": args.hidden, "intermediate": args.intermediate,
                                          "heads": args.heads, "vocab": args.vocab, "dtype": "float32"},
                                "promptTokens": args.prompt_tokens, "newTokens": args.new_tokens,
-                               "rounds": args.rounds, "serverThreads": args.threads,
+                               "rounds": args.rounds,
                                "petals": "petals==2.2.0.post1, hivemind 1.1.10.post2, transformers 4.33.3, torch 2.13.0",
                                "configs": {}}
     tmp = Path(tempfile.mkdtemp(prefix="bench-petals-"))  # logs stay where a run fails
@@ -372,7 +381,8 @@ def report(results: dict) -> None:
         for system in SYSTEMS:
             r = config[system]
             hops = r.get("hops") or {}
-            table.add_row(name, system, f"{r['decodeTokensPerSecond']:.1f}",
+            threads = config.get("serverThreads")
+            table.add_row(f"{name}, {threads} thread{'s' if threads != 1 else ''}{' each' if len(config['spans']) > 1 else ''}" if threads else name, system, f"{r['decodeTokensPerSecond']:.1f}",
                           f"{r['decodeVsPetals']:.2f}x" if "decodeVsPetals" in r else "",
                           f"{r['decodeCeilingVsPetals']:.2f}x" if "decodeCeilingVsPetals" in r else "",
                           f"{r['ttftMs']:.0f}", f"{r['ttftVsPetals']:.2f}x" if "ttftVsPetals" in r else "",
