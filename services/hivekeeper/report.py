@@ -234,13 +234,17 @@ def _markdown(history: RunHistory, out: Path, plots: list[Path]) -> Path:
     durations = [r["seconds"] for r in rounds if r.get("outcome") == "success"]
     rates = [e["samplesPerSecond"] for e in history.entries if _is_number(e.get("samplesPerSecond"))
              and e["samplesPerSecond"] > 0]
+    # a finished run's summary has the final evaluation, made after the monitor's last history row
+    final_step = summary["globalStep"] if summary.get("globalStep") is not None else last.get("globalStep")
+    eval_step, eval_metrics = (final_step, summary.get("metrics") or {}) if summary.get("state") == "completed" \
+        else (last.get("evalStep"), last.get("evalMetrics") or {})
     lines = [
         f"# {history.name}",
         "",
         f"- state: {summary.get('state', 'running')}" + (f" ({summary['reason']})" if summary.get("reason") else ""),
-        f"- global step: {last.get('globalStep')} after {last['elapsedSeconds']:.0f} s",
-        f"- held-out metrics at step {last.get('evalStep')}: "
-        + (", ".join(f"{k} {v:.4f}" for k, v in (last.get("evalMetrics") or {}).items() if _is_number(v)) or "none"),
+        f"- global step: {final_step} after {last['elapsedSeconds']:.0f} s",
+        f"- held-out metrics at step {eval_step}: "
+        + (", ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items() if _is_number(v)) or "none"),
         f"- training loss: {last['loss']:.4f} (step {last.get('lossStep')})" if _is_number(last.get("loss"))
         else "- training loss: none yet",
         f"- collaboration samples/s: median {statistics.median(rates):.0f}" if rates else "- samples/s: none yet",

@@ -112,15 +112,16 @@ def build_summary(manifest: Manifest, run_dir: Path, supervisor: Supervisor, sta
     rates = [entry["samplesPerSecond"] for entry in history if entry.get("samplesPerSecond")]
     plan = next((entry["plan"] for entry in reversed(history) if entry.get("plan")), None)
     achieved, predicted = step_rates(history)
+    last = history[-1] if history else {}  # where a run that did not finish got to
     return {
         "name": manifest.metadata.name,
         "kind": manifest.kind,
         "state": "completed" if result else ("interrupted" if interrupted else "failed"),
         "reason": result.get("reason"),
-        "globalStep": result.get("globalStep"),
+        "globalStep": result.get("globalStep", last.get("globalStep")),
         "wallSeconds": round(time.time() - started, 2),
         "restarts": supervisor.restarts,
-        "metrics": result.get("metrics", {}),
+        "metrics": result.get("metrics") or last.get("evalMetrics") or {},
         "samplesPerSecond": round(statistics.median(rates), 1) if rates else None,
         "checkpoint": result.get("checkpoint"),
         "plan": plan,  # the balancer's last averaging plan, as the monitor saw it
