@@ -4,6 +4,7 @@ processes, and a check that no p2pd outlives a test."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import signal
 import time
@@ -61,6 +62,21 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def interrupt_run(runner) -> dict[str, Any]:
+    """Ctrl-C a `hivekeeper up --json` the test has seen enough of; its summary (exit code 130)."""
+    runner.send_signal(signal.SIGINT)
+    out, err = runner.communicate(timeout=60)
+    assert runner.returncode == 130, err[-3000:]
+    return json.loads(out)
+
+
+def kill_leftover(runner) -> None:
+    """In a test's `finally`: a run still up after a failure is killed, with its children."""
+    if runner.poll() is None:
+        runner.kill()
+        runner.wait(30)
 
 
 def parent_pid(pid: int) -> int | None:

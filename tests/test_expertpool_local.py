@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import parent_pid, wait_for, write_manifest
+from conftest import interrupt_run, kill_leftover, parent_pid, wait_for, write_manifest
 from test_swarm_local import http_get, ports, processes_of, role_pids, silent_dashboard_panels
 
 TARGET_ACCURACY = 0.9
@@ -102,15 +102,10 @@ def test_up_trains_to_accuracy_through_a_server_crash(tmp_path, no_leaked_p2pd):
             wait_for(every_panel_answers, 30, "every ExpertPool panel to return data", interval=2.0)
         except AssertionError:
             pytest.fail(f"panels without data: {silent}")
-        runner.send_signal(signal.SIGINT)
-        out, err = runner.communicate(timeout=60)
+        summary = interrupt_run(runner)
     finally:
-        if runner.poll() is None:
-            runner.kill()
-            runner.wait(30)
-    assert runner.returncode == 130, err[-3000:]
+        kill_leftover(runner)
     assert reached >= TARGET_ACCURACY
-    summary = json.loads(out)
     assert summary["state"] == "interrupted" and summary["kind"] == "ExpertPool"
     assert summary["processes"]["expert-server-1"]["restarts"] >= 1
     assert len(list((run_dir / "experts").glob("expert.*.pt"))) == 8

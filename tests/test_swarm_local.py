@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for, write_manifest
+from conftest import interrupt_run, kill_leftover, wait_for, write_manifest
 from hivekeeper.dashboards import expressions
 from hivekeeper.tasks import load_task
 
@@ -193,14 +193,9 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
         except AssertionError:
             pytest.fail(f"panels without data: {silent}")
 
-        runner.send_signal(signal.SIGINT)
-        out, err = runner.communicate(timeout=60)
+        summary = interrupt_run(runner)
     finally:
-        if runner.poll() is None:
-            runner.kill()
-            runner.wait(30)
-    assert runner.returncode == 130, err[-3000:]
-    summary = json.loads(out)
+        kill_leftover(runner)
     assert summary == json.loads((run_dir / "summary.json").read_text())
     assert summary["state"] == "interrupted" and summary["globalStep"] >= 3
     assert summary["restarts"] >= 1 and summary["processes"]["trainer-1"]["restarts"] >= 1

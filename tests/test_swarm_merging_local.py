@@ -5,12 +5,11 @@ state, and the monitor evaluates the merged (outer) model."""
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
 
-from conftest import wait_for, write_manifest
+from conftest import interrupt_run, kill_leftover, wait_for, write_manifest
 from test_swarm_local import crash_trainer, global_step, http_get, ports, processes_of, start_up
 
 MERGING = {"spec": {
@@ -68,14 +67,9 @@ def test_up_merges_replicas_and_a_restarted_one_joins_from_the_merged_state(tmp_
             return status if merged and evaluated and outer_steps else None
 
         status = wait_for(merged_and_evaluated_after_rejoin, 90, "a merge of both trainers after the restart")
-        runner.send_signal(signal.SIGINT)
-        out, err = runner.communicate(timeout=60)
+        summary = interrupt_run(runner)
     finally:
-        if runner.poll() is None:
-            runner.kill()
-            runner.wait(30)
-    assert runner.returncode == 130, err[-3000:]
-    summary = json.loads(out)
+        kill_leftover(runner)
     assert summary["state"] == "interrupted"
     assert summary["processes"]["trainer-1"]["restarts"] >= 1
     assert status["evalMetrics"]["accuracy"] > 0.8, status  # the merged model the monitor evaluated
