@@ -310,6 +310,7 @@ class InstrumentedOptimizer(hivemind.Optimizer):
         self._check_average = False
         seconds = time.perf_counter() - started
         members: list[str] = []
+        missing = 0
         if maybe_step_control is None:
             outcome, group_size = "skipped", 1
         elif self._rejected_average:
@@ -317,12 +318,25 @@ class InstrumentedOptimizer(hivemind.Optimizer):
         elif maybe_step_control.done() and maybe_step_control.exception() is None:
             members = sorted(str(peer) for peer in maybe_step_control.result())
             outcome, group_size = "success", len(members)
+            missing = self._missing_elements()
+            if missing:
+                # hivemind keeps this peer's own values where a part of the average never came
+                # back and calls the round a success: the others stepped on the whole average,
+                # this replica on a mix. A failure for this peer: it reloads before computing again.
+                outcome = "failure"
+                log.warning("part of the averaged gradients never came back; this replica reloads the state",
+                            extra={"fields": {"missing_elements": missing, "members": len(members)}})
         else:
             outcome, group_size = "failure", 0
-        self._record_round(outcome, group_size, seconds, self.local_epoch, members)
+        self._record_round(outcome, group_size, seconds, self.local_epoch, members, missing)
+
+    def _missing_elements(self) -> int:
+        """Elements of the latest all-reduce's average that this peer never got back."""
+        last = self.grad_averager.last_round if isinstance(self.grad_averager, PlannedAverager) else None
+        return last.missing_elements if last is not None else 0
 
     def _record_round(self, outcome: str, group_size: int, seconds: float, epoch: int,
-                      members: list[str] = ()) -> None:
+                      members: list[str] = (), missing_elements: int = 0) -> None:
         self._round_recorded = True
         self.metrics.averaging_rounds.labels(outcome).inc()
         if outcome == "success":
@@ -330,6 +344,8 @@ class InstrumentedOptimizer(hivemind.Optimizer):
             self.metrics.averaging_group_size.set(group_size)
         self.last_round = {"outcome": outcome, "groupSize": group_size, "seconds": round(seconds, 4), "epoch": epoch,
                            "time": time.time(), "members": list(members) or [str(self.dht.peer_id)]}
+        if missing_elements:  # a round the group finished but this peer got only part of
+            self.last_round["missingElements"] = missing_elements
         self.sync_byte_counters()
 
     @property
