@@ -121,7 +121,7 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
     """Checks on a live run, which the test ends once it has seen them all (a run with a target
     may end before a loaded host gets through them: the demo's swarm now takes 1.5 steps/s)."""
     run_dir = tmp_path / "run"
-    runner = start_up(write_manifest(tmp_path, {**SMALL, "spec": {**SMALL["spec"], "stopping": {"targetSteps": 10_000}}}),
+    runner = start_up(write_manifest(tmp_path, {**SMALL, "spec": {**SMALL["spec"], "stopping": {"targetSteps": 10_000, "targetMetric": None}}}),
                       run_dir, "--prometheus")
     try:
         wait_for(lambda: global_step(run_dir) >= 3, 150, "three global steps")
@@ -239,7 +239,7 @@ def test_up_completes_at_its_target_with_a_model_status_and_report(tmp_path, no_
 @pytest.mark.timeout(240)
 def test_ctrl_c_stops_every_process_within_10s(tmp_path, no_leaked_p2pd):
     run_dir = tmp_path / "run"
-    manifest = write_manifest(tmp_path, {**SMALL, "spec": {**SMALL["spec"], "stopping": {"targetSteps": 10_000}}})
+    manifest = write_manifest(tmp_path, {**SMALL, "spec": {**SMALL["spec"], "stopping": {"targetSteps": 10_000, "targetMetric": None}}})
     runner = start_up(manifest, run_dir)
     try:
         def training() -> bool:  # every trainer past its first batches: the swarm is at work
