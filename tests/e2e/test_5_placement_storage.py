@@ -174,9 +174,12 @@ def test_the_monitors_checkpoints_and_final_model_outlive_its_pods_on_a_claim(cl
     name = "kept"
     with host_directory() as directory, persistent_volume(cluster, "hk-e2e-checkpoints", directory,
                                                           "ReadWriteOnce") as storage_class:
-        every, target = 4, 30
+        # A lone trainer no longer waits out matchmaking each step: with 2048 samples a step it
+        # reached step 42 before the restarted monitor was up. 4096 and 60 steps leave the new
+        # monitor minutes to take its first checkpoint.
+        every, target = 4, 60
         manifest = example("swarm-digits.yaml", {"metadata": {"name": name}, "spec": {
-            "targetBatchSize": 2048,  # a lone trainer then steps about every 2-3 s
+            "targetBatchSize": 4096,
             "trainers": {"replicas": 1, "resources": SMALL},
             "auxiliary": {"replicas": 0}, "balancer": {"enabled": False},
             "monitor": {"evalEverySteps": 2, "checkpointEverySteps": every, "keepCheckpoints": 100,

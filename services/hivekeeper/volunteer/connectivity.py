@@ -91,13 +91,20 @@ async def _daemon(P2P, host: str, port: int, **options: Any) -> AsyncIterator[An
         await p2p.shutdown()
 
 
+DIAL_ATTEMPTS = 3  # a first dial through a NodePort sometimes fails while the swarm is up (seen in the cluster tier)
+DIAL_RETRY_SECONDS = 1.0
+
+
 async def _reachable(p2p, maddrs: Sequence[str]) -> list[str]:
     async def ok(maddr: str) -> bool:
-        try:
-            await connect(p2p, maddr)
-            return True
-        except Exception:
-            return False
+        for attempt in range(DIAL_ATTEMPTS):
+            try:
+                await connect(p2p, maddr)
+                return True
+            except Exception:
+                if attempt + 1 < DIAL_ATTEMPTS:
+                    await asyncio.sleep(DIAL_RETRY_SECONDS)
+        return False
 
     answers = await asyncio.gather(*(ok(m) for m in maddrs))
     return [m for m, good in zip(maddrs, answers) if good]
