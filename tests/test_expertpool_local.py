@@ -7,7 +7,6 @@ goes, and how long a restarted server takes to rejoin, depend on the machine's l
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from conftest import interrupt_run, kill_leftover, parent_pid, wait_for, write_manifest
-from test_swarm_local import http_get, ports, processes_of, role_pids, silent_dashboard_panels
+from test_swarm_local import processes_of, role_pids, silent_dashboard_panels
+from test_swarm_local import role_status as status
 
 TARGET_ACCURACY = 0.9
 SMALL = {"metadata": {"name": "moe-local"}, "spec": {
@@ -33,11 +33,6 @@ SMALL = {"metadata": {"name": "moe-local"}, "spec": {
                  "evalEverySteps": 10},
     "stopping": {"targetMetric": None, "targetSteps": 100_000},
 }}
-
-
-def status(run_dir: Path, role: str) -> dict:
-    text = http_get(ports(run_dir).get(role, 0), "/status") if ports(run_dir) else None
-    return json.loads(text) if text else {}
 
 
 def server_pid(run_dir: Path, index: int) -> int | None:

@@ -66,9 +66,14 @@ def ports(run_dir: Path) -> dict[str, int]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def role_status(run_dir: Path, role: str) -> dict:
+    """A role's /status ({} before it serves one, or after it is gone)."""
+    text = http_get(ports(run_dir).get(role, 0), "/status") if ports(run_dir) else None
+    return json.loads(text) if text else {}
+
+
 def global_step(run_dir: Path) -> int:
-    status = http_get(ports(run_dir).get("monitor-0", 0), "/status") if ports(run_dir) else None
-    return json.loads(status).get("globalStep", -1) if status else -1
+    return role_status(run_dir, "monitor-0").get("globalStep", -1)
 
 
 def role_pids(run_dir: Path, role: str, index: int) -> list[int]:

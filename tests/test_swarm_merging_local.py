@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import interrupt_run, kill_leftover, wait_for, write_manifest
-from test_swarm_local import crash_trainer, global_step, http_get, ports, processes_of, start_up
+from test_swarm_local import crash_trainer, global_step, processes_of, role_status, start_up
 
 MERGING = {"spec": {
     "trainers": {"replicas": 2, "batchSize": 32},
@@ -29,11 +29,6 @@ def log_records(run_dir: Path, name: str) -> list[dict]:
 
 
 DILOCO = {"mode": "diloco", "innerSteps": 10, "compression": "float16", "mergeEverySteps": None}
-
-
-def monitor_status(run_dir: Path) -> dict:
-    text = http_get(ports(run_dir).get("monitor-0", 0), "/status") if ports(run_dir) else None
-    return json.loads(text) if text else {}
 
 
 @pytest.mark.swarm
@@ -58,7 +53,7 @@ def test_up_merges_replicas_and_a_restarted_one_joins_from_the_merged_state(tmp_
         back_at = starts[-1]["ts"]
 
         def merged_and_evaluated_after_rejoin() -> dict | None:
-            status = monitor_status(run_dir)
+            status = role_status(run_dir, "monitor-0")
             last_round = status.get("lastRound") or {}
             merged = last_round.get("outcome") == "success" and last_round.get("groupSize") == 2 \
                 and last_round.get("time", 0) > back_at

@@ -32,7 +32,7 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from hivekeeper.hivemind_ext import check_hivemind_version
-from hivekeeper.hivemind_ext.allreduce import CountingGradientAverager, PlannedAverager
+from hivekeeper.hivemind_ext.allreduce import CountingGradientAverager, PlannedAverager, PlannedRound
 from hivekeeper.hivemind_ext.group_round import add_averages, bytes_sent, start_runner
 from hivekeeper.hivemind_ext.robust import CenteredClip, robust_runner
 from hivekeeper.metrics import SwarmMetrics
@@ -244,7 +244,7 @@ class InstrumentedOptimizer(hivemind.Optimizer):
         if self.use_gradient_averaging and not self._round_recorded:
             # hivemind steps alone (no all-reduce) when it sees no other peer
             self._record_round("skipped", 1, 0.0, epoch)
-        last = self.grad_averager.last_round if isinstance(self.grad_averager, PlannedAverager) else None
+        last = self._planned_round
         allreduce = (last.started, last.finished) if last is not None and last.rounds > rounds_before else None
         self.clock.ended(time.time(), allreduce if self.last_round.get("outcome") == "success" else None)
         if self.last_round.get("outcome") == "failure" and self.tracker.global_progress.num_peers > 1:
@@ -257,8 +257,13 @@ class InstrumentedOptimizer(hivemind.Optimizer):
             for name, value in self.clock.median.to_json().items():
                 self.metrics.step_phase_seconds.labels(name).set(value)
 
+    @property
+    def _planned_round(self) -> Optional[PlannedRound]:
+        """The gradient averager's latest round, as its process reported it (None before one)."""
+        return self.grad_averager.last_round if isinstance(self.grad_averager, PlannedAverager) else None
+
     def _rounds_done(self) -> int:
-        last = self.grad_averager.last_round if isinstance(self.grad_averager, PlannedAverager) else None
+        last = self._planned_round
         return last.rounds if last is not None else 0
 
     def _maybe_schedule_gradient_averaging(self) -> None:
@@ -332,7 +337,7 @@ class InstrumentedOptimizer(hivemind.Optimizer):
 
     def _missing_elements(self) -> int:
         """Elements of the latest all-reduce's average that this peer never got back."""
-        last = self.grad_averager.last_round if isinstance(self.grad_averager, PlannedAverager) else None
+        last = self._planned_round
         return last.missing_elements if last is not None else 0
 
     def _record_round(self, outcome: str, group_size: int, seconds: float, epoch: int,
