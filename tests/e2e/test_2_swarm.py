@@ -145,8 +145,8 @@ def test_swarm_from_apply_to_succeeded(cluster: Cluster, release: str):
         if out.parent.exists():
             out.write_text(json.dumps(figures, indent=2))
         print("swarm figures:", json.dumps(figures))
-
-    cluster.kubectl("delete", "swarm", NAME, "-n", NAMESPACE, "--wait=true", timeout=180)
+        # Deleted whatever happened, so that no later test meets this Swarm.
+        cluster.kubectl("delete", "swarm", NAME, "-n", NAMESPACE, "--ignore-not-found", "--wait=true", timeout=180)
     wait_for(lambda: not children(cluster) and not cluster.pods(SELECTOR), 180,
              "the garbage collector to take every child")
 

@@ -56,15 +56,21 @@ class StoppingSpec(SpecModel):
             raise ValueError("set targetSteps and/or targetMetric, or the run never ends")
         return self
 
+    def metric_met(self, metrics: dict[str, float]) -> bool:
+        """Whether held-out `metrics` meet targetMetric (False when there is none, or no such metric)."""
+        target = self.target_metric
+        if target is None or target.name not in metrics:
+            return False
+        value = metrics[target.name]
+        return value >= target.value if target.mode == "max" else value <= target.value
+
     def reached(self, step: int, metrics: dict[str, float], elapsed_seconds: float) -> Optional[str]:
         """Why the run is done at `step` with held-out `metrics`, or None if it goes on."""
         if self.target_steps is not None and step >= self.target_steps:
             return f"reached targetSteps={self.target_steps}"
-        target = self.target_metric
-        if target is not None and target.name in metrics:
-            value = metrics[target.name]
-            if (value >= target.value) if target.mode == "max" else (value <= target.value):
-                return f"{target.name}={value:.4f} reached target {target.value}"
+        if self.metric_met(metrics):
+            target = self.target_metric
+            return f"{target.name}={metrics[target.name]:.4f} reached target {target.value}"
         if self.max_wall_seconds is not None and elapsed_seconds > self.max_wall_seconds:
             return f"maxWallSeconds={self.max_wall_seconds} elapsed"
         return None

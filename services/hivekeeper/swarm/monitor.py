@@ -207,7 +207,11 @@ class Monitor:
     def finish(self, reason: str) -> None:
         from hivemind.utils import get_dht_time
 
-        self.evaluate()
+        # The evaluation that met the target is the run's result: the model it read becomes the
+        # final checkpoint (evaluating again, a step or two later, can land under the target).
+        # Otherwise the final checkpoint is the swarm's latest state.
+        if not self.ctx.spec.stopping.metric_met(self.eval_metrics):
+            self.evaluate()
         final = self.save("final")
         self.dht.store(self.ctx.run_id + STOP_KEY, {"step": self.eval_step, "reason": reason},
                        expiration_time=get_dht_time() + 3600)
