@@ -35,18 +35,28 @@ bf16, batch 1, 128 new tokens; limit 209 steps/s = 16.06 GB at 3.35 TB/s; copy b
   4    yes         27.4         129.0               85.3      57.5 (27.6%)   52.6 (25.2%)
   5    yes         50.8         130.3 (62.5%)       103.8     67.9 (32.6%)   58.3 (28.0%)
   6    yes         36.5         129.2 (61.9%)       103.1     79.8 (38.3%)   -
+  7    yes         (skipped)    133.9 (64.2%)       117.4     104.9 (50.3%)  -
+  8    yes         (skipped)    132.8 (63.7%)       116.1     96.9 (46.5%)   -
   * a graph memory pool shared between sessions: fixed (a private pool per graph).
-Run 6 (2026-11-27, the committed JSON) is the first with the direct path (blocks/direct.py: block
+Runs 7 and 8 ran one after the other on the same machine (faster on the CPU side than run 6's:
+the eager local path made 94 and 80 steps/s there, 64 in run 6). Run 7 (the committed JSON) has
+direct calls handled on their connection's thread under a compute lock; run 8 is the code
+before it, as in run 6. Their traced steps through 2 servers took the same time (medians 10.1
+and 9.9 ms: 6.5 span GPU, 0.4 / 0.4 server overhead per server, 0.7 network per hop, 1.3 / 1.2
+client), so the rates' gap (104.9 against 96.9) is within the bench's run-to-run spread: on 16
+cores the hand-off to the compute thread cost little (it mattered on 2 cores, see
+bench_block_inference). The goal (50%) is met in run 7 by a small margin, in one run: not a
+robust margin. Against run 6, the faster machine's CPU side is what moved the figures.
+Run 6 (2026-11-27) is the first with the direct path (blocks/direct.py: block
 calls over a TCP connection of their own instead of p2pd). Through 1 server it reaches 49.4% of
 the limit; through 2 servers 38.3%, under the issue's 50%. Per step through 2 servers (ms): 6.7
 span GPU (70% of the copy bandwidth), 1.5 server overhead (0.7 per server: input and output
 copies and casts, checks, the event sync), 2.9 network (1.4 per hop: 0.6 transport, 0.35 client
 codec, 0.4 handing the call to the server's compute thread and decoding), 2.1 client (0.9 of it
 embedding, head and argmax as on the local path). With the span's GPU time fixed, 50% needs the
-rest of a step under 2.9 ms (today 5.9): each hop costs about 2 ms beside its compute. What
-would close it: servers that pass the hidden state on to the next server themselves (Petals'
-push), saving a round trip through the client per hop, and handling direct calls on the
-connection's own thread.
+rest of a step under 2.9 ms (run 6: 5.9): each hop cost about 2 ms beside its compute. What
+would close the rest: servers that pass the hidden state on to the next server themselves
+(Petals' push), saving a round trip through the client per hop.
 Run 5, 2 servers, per step (ms): 6.6 span GPU (3.3 per server: 72% of the copy bandwidth),
 1.1 server overhead (copies, checks, Python), 5.3 RPC (p2pd and hivemind's asyncio both ways,
 2.6 per hop; an empty RPC takes 0.6 back to back, 1.0 after 3 ms idle), 1.6 client (embedding,

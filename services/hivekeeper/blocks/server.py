@@ -40,16 +40,19 @@ JOIN_ROUNDS = 4
 
 class BlockServicer(ServicerBase):
     """The RPC surface, the same through p2pd and the direct path (direct.py): `handle` answers
-    every kind of call on the compute thread, or refuses with a reply whose metadata holds
-    {"error": {"code", "message"}} (protocol.make_error: one line, read without parsing an
-    exception's text); nothing a client sends can take the server down. Compute runs on one
-    thread, in arrival order."""
+    every kind of call, or refuses with a reply whose metadata holds {"error": {"code",
+    "message"}} (protocol.make_error: one line, read without parsing an exception's text);
+    nothing a client sends can take the server down. Compute runs one call at a time, under
+    `compute_lock`: calls through p2pd on the compute thread (the event loop must not block),
+    direct calls on their connection's own thread (handing each to the compute thread and
+    back cost two thread wake-ups a hop)."""
 
     def __init__(self, backend: Callable[[], Optional[SpanBackend]], compression: str, metrics):
         self._backend = backend
         self.compression = compression
         self.metrics = metrics
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.compute_lock = threading.Lock()  # calls and loading, one at a time
 
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """The span held; with metadata {"digest": true}, also a hash of its weights (to show
@@ -70,12 +73,17 @@ class BlockServicer(ServicerBase):
 
     async def _on_compute(self, kind: str, request: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
         entered = time.perf_counter()
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self.handle, kind, request, entered)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self.exclusive, self.handle, kind,
+                                                                request, entered)
 
     def handle_bytes(self, kind: str, data: bytes) -> bytes:
-        """A call from the direct path (on its connection's thread): handled on the compute thread."""
-        entered = time.perf_counter()
-        return self.pool.submit(self._handle_bytes, kind, data, entered).result()
+        """A call from the direct path, handled on its connection's thread."""
+        return self.exclusive(self._handle_bytes, kind, data, time.perf_counter())
+
+    def exclusive(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) under the compute lock."""
+        with self.compute_lock:
+            return fn(*args)
 
     def _handle_bytes(self, kind: str, data: bytes, entered: float) -> bytes:
         try:
@@ -86,8 +94,8 @@ class BlockServicer(ServicerBase):
 
     def handle(self, kind: str, request: runtime_pb2.ExpertRequest, entered: Optional[float] = None,
                ) -> runtime_pb2.ExpertResponse:
-        """One call, on the compute thread: decode, run, encode. `entered`: when it arrived (the
-        reply's handler_ms counts from then: queueing included)."""
+        """One call, under the compute lock: decode, run, encode. `entered`: when it arrived
+        (the reply's handler_ms counts from then: queueing included)."""
         entered = entered or time.perf_counter()
         try:
             if kind == "info":
@@ -146,7 +154,7 @@ class BlockServicer(ServicerBase):
         timing = {"compute_ms": 1000 * seconds}  # the blocks, copies included
         if backend.last_gpu_ms is not None:
             timing["gpu_ms"] = backend.last_gpu_ms  # of which the blocks on the GPU
-        timing["queue_ms"] = 1000 * (began - entered)  # arrival to the compute thread
+        timing["queue_ms"] = 1000 * (began - entered)  # arrival to the compute lock
         timing["handler_ms"] = 1000 * (time.perf_counter() - entered)  # queueing, decoding, compute
         return protocol.make_response([out], timing, self.compression)
 
@@ -240,7 +248,7 @@ class BlockServer:
         self.peer_id = str(self.dht.peer_id)
         try:
             servicer = BlockServicer(lambda: self.backend, self.spec.compression, ctx.metrics)
-            self.pool = servicer.pool
+            self.servicer, self.pool = servicer, servicer.pool
             self._call(self._add_handlers(servicer))
             self.direct = self._open_direct(servicer)
             self.rates = self._compute(lambda: measure_throughput(self._load(0, 1), self.spec.compression))
@@ -362,8 +370,8 @@ class BlockServer:
     # --- plumbing --------------------------------------------------------------------------
 
     def _compute(self, fn: Callable[[], Any]) -> Any:
-        """Run on the compute thread, so loading never races a request."""
-        return self.pool.submit(fn).result()
+        """Run on the compute thread under the compute lock, so loading never races a request."""
+        return self.pool.submit(self.servicer.exclusive, fn).result()
 
     def _call(self, coroutine) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
