@@ -8,7 +8,7 @@ The blocks may live on a GPU (in bfloat16, say): tensors arrive and leave as flo
 and, on a GPU, a CUDA graph of the one-token step (fast.py); other spans with transformers'
 DynamicCache.
 
-All calls come from one compute thread (the server's executor), so no locks are needed."""
+Calls come one at a time, under the server's compute lock (BlockServicer), so no locks are needed here."""
 
 from __future__ import annotations
 

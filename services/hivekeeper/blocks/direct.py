@@ -21,7 +21,7 @@ checks (an address a server announced may belong to another process by now: a re
 server, a reused port). Then the client sends requests, each a header (body length, the kind
 of call: an index into KINDS) and an ExpertRequest; the server answers each with a frame
 holding an ExpertResponse. A frame is a 4-byte big-endian length and its body. The same
-messages go to the same handler (`BlockServicer.handle`, on the compute thread) whichever way
+messages go to the same handler (`BlockServicer.handle`, under its compute lock) whichever way
 they come. A connection serves one call at a time; a client calling a server from several
 threads at once (a batch's parts) opens more connections to it.
 
@@ -89,8 +89,8 @@ def _send(sock: socket.socket, data: bytes | list[bytes]) -> None:
 
 class DirectServer:
     """Listens on `host:port` (0: any free port); a thread per connection reads requests and
-    answers `handle(kind, request bytes) -> reply bytes` (the block server hands the work to
-    its compute thread)."""
+    answers `handle(kind, request bytes) -> reply bytes` on that thread (the block server's
+    handler takes its compute lock: one call computes at a time)."""
 
     def __init__(self, peer_id: str, handle: Callable[[str, bytes], bytes], host: str, port: int = 0):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
