@@ -153,6 +153,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def forked_result(target, *args: Any, timeout: float, what: str) -> Any:
+    """Run target(*args, out) in a forked process and return the first thing it puts on `out`;
+    the process is stopped either way."""
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    process = ctx.Process(target=target, args=(*args, out))
+    process.start()
+    try:
+        return out.get(timeout=timeout)
+    except queue.Empty:
+        pytest.fail(f"{what} did not report in {timeout:.0f} s")
+    finally:
+        stop_processes(process)
+
+
 def stop_processes(*processes) -> None:
     """Joins forked test processes, killing any that do not exit within 30 s together with all
     it started: hivemind's DHT and averager processes outlive their parent's SIGKILL (each holds

@@ -21,8 +21,9 @@ called the round a success (seen once in CI: 46% of the vector), and a peer that
 one step behind was renumbered as current. An earlier form of this test therefore checked only
 the steps that happened to start in sync (on one run of the old code, the first two steps were
 off by 4e-2); `hivemind_ext/optimizer.py` closes each of those gaps, and the test now asserts
-every step. A member that got only part of the average back says so ("missingElements"); its own
-update is not checked, the others' are, and the next step checks that it took their state.
+every step. A member that got only part of the average back says so ("missingElements") and
+skips the update; its own update is not checked, the others' are, and the next step checks that
+it took their state (or, where every member lost a part, that all skipped it alike).
 
 Tolerance: both sides compute the same float32 math, but sum gradients in a different order
 (per peer, then across peers in hivemind's all-reduce, which splits the vector into parts):
@@ -234,9 +235,11 @@ def test_every_collaborative_step_is_a_large_batch_sgd_step(tmp_path, no_leaked_
         assert trainer_ids <= s["members"], f"step {i} lost a trainer\n{report}"
         assert s["records"] == len(TRAINERS) and s["updates"] + s["partial"] == len(TRAINERS), \
             f"step {i} incomplete\n{report}"
-        assert s["updates"] >= 1, f"step {i}: no member got the whole average\n{report}"
         assert s["batch"] >= spec.target_batch_size, f"step {i} below the global batch\n{report}"
         assert s["spread"] < TOLERANCE, f"step {i} began from different parameters\n{report}"
+        if s["partial"] == len(TRAINERS):
+            continue  # every member lost a part: all skipped the step (the next one's spread checks it)
+        assert s["updates"] >= 1, f"step {i}: no member got the whole average\n{report}"
         assert s["update_error"] < TOLERANCE, f"step {i} is not a large-batch SGD step\n{report}"
         assert s["replica_spread"] < TOLERANCE, f"replicas differ after step {i}\n{report}"
     assert steps[last_complete]["loss"] < steps[joined]["loss"], "the model learned"

@@ -6,11 +6,10 @@ later (see InstrumentedOptimizer._maybe_schedule_gradient_averaging)."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 
 import pytest
 
-from conftest import optimizer_peer, stop_processes, write_manifest
+from conftest import forked_result, optimizer_peer, write_manifest
 
 EPOCHS = 4
 
@@ -40,15 +39,6 @@ def test_a_lone_trainer_steps_alone_and_schedules_no_round(tmp_path, no_leaked_p
     manifest = str(write_manifest(tmp_path, {"spec": {
         "targetBatchSize": 64, "trainers": {"replicas": 1, "batchSize": 16},
         "averaging": {"matchmakingSeconds": 2.0, "timeoutSeconds": 30}}}))
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    peer = ctx.Process(target=_lone_peer, args=(manifest, out))
-    peer.start()
-    try:
-        result = out.get(timeout=100)
-    except queue.Empty:
-        pytest.fail("the lone peer did not finish its epochs")
-    finally:
-        stop_processes(peer)
+    result = forked_result(_lone_peer, manifest, timeout=100, what="the lone peer")
     assert result["epoch"] >= EPOCHS and result["skipped"] >= EPOCHS - 1, result  # it stepped alone
     assert result["scheduled"] == [], result

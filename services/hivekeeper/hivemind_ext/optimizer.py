@@ -326,14 +326,29 @@ class InstrumentedOptimizer(hivemind.Optimizer):
             missing = self._missing_elements()
             if missing:
                 # hivemind keeps this peer's own values where a part of the average never came
-                # back and calls the round a success: the others stepped on the whole average,
-                # this replica on a mix. A failure for this peer: it reloads before computing again.
+                # back and calls the round a success. A failure for this peer: it steps on nothing
+                # (see _drop_update) and reloads before computing again.
                 outcome = "failure"
-                log.warning("part of the averaged gradients never came back; this replica reloads the state",
+                self._drop_update()
+                log.warning("part of the averaged gradients never came back; this replica skips the "
+                            "update and reloads the state",
                             extra={"fields": {"missing_elements": missing, "members": len(members)}})
         else:
             outcome, group_size = "failure", 0
         self._record_round(outcome, group_size, seconds, self.local_epoch, members, missing)
+
+    def _drop_update(self) -> None:
+        """Zero the gradients the optimizer is about to step on. On a mix of the average and its
+        own gradients (what hivemind leaves) this replica would step apart from every other; on
+        nothing, it stays equal to every member that lost a part too. Where some members got the
+        whole average, this one reloads their state; where every member lost a part (seen in
+        CI: the replicas then drifted apart for good, with no state left to reload), the
+        replicas all skip the step and stay equal."""
+        with torch.no_grad():
+            for group in self.state_averager.optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.grad.zero_()
 
     def _missing_elements(self) -> int:
         """Elements of the latest all-reduce's average that this peer never got back."""
