@@ -92,8 +92,8 @@ def test_swarm_from_apply_to_succeeded(cluster: Cluster, release: str):
     try:
         # Running needs a trainer's pod Ready too: the kubelet's probe can mark it a few seconds
         # after its first step (seen in CI: step 1 while the Swarm still read Pending).
-        first = wait_for(lambda: (s := status()).get("globalStep", 0) >= 1 and s.get("phase") == "Running" and s,
-                         420, "the first global step, Running", interval=2)
+        wait_for(lambda: (s := status()).get("globalStep", 0) >= 1 and s.get("phase") == "Running", 420,
+                 "the first global step, Running", interval=2)
         columns = printed_columns(cluster)
         assert columns["PHASE"] == "Running" and int(columns["STEP"]) >= 1, columns
         assert float(columns["SAMPLES/S"]) > 0, columns
