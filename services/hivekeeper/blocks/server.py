@@ -248,7 +248,7 @@ class BlockServer:
         self.peer_id = str(self.dht.peer_id)
         try:
             servicer = BlockServicer(lambda: self.backend, self.spec.compression, ctx.metrics)
-            self.servicer, self.pool = servicer, servicer.pool
+            self.servicer = servicer
             self._call(self._add_handlers(servicer))
             self.direct = self._open_direct(servicer)
             self.rates = self._compute(lambda: measure_throughput(self._load(0, 1), self.spec.compression))
@@ -371,7 +371,7 @@ class BlockServer:
 
     def _compute(self, fn: Callable[[], Any]) -> Any:
         """Run on the compute thread under the compute lock, so loading never races a request."""
-        return self.pool.submit(self.servicer.exclusive, fn).result()
+        return self.servicer.pool.submit(self.servicer.exclusive, fn).result()
 
     def _call(self, coroutine) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()

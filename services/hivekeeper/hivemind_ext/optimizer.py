@@ -344,11 +344,7 @@ class InstrumentedOptimizer(hivemind.Optimizer):
         whole average, this one reloads their state; where every member lost a part (seen in
         CI: the replicas then drifted apart for good, with no state left to reload), the
         replicas all skip the step and stay equal."""
-        with torch.no_grad():
-            for group in self.state_averager.optimizer.param_groups:
-                for param in group["params"]:
-                    if param.grad is not None:
-                        param.grad.zero_()
+        self.state_averager.optimizer.zero_grad(set_to_none=False)
 
     def _missing_elements(self) -> int:
         """Elements of the latest all-reduce's average that this peer never got back."""
