@@ -37,7 +37,9 @@ from bench_results import write_results
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {  # name: manifest, steps, overrides of its spec
-    "demo": ("examples/swarm-digits.yaml", 40, {}),
+    # the balancer renews its plan (and prediction) every 10 s: at 2-3 steps/s a 40-step run
+    # lasted about one renewal, and its median prediction was the first plan's, from start-up steps
+    "demo": ("examples/swarm-digits.yaml", 80, {}),
     # alone, a trainer steps many times a second: enough steps for the monitor to see a rate
     "demo, 1 trainer": ("examples/swarm-digits.yaml", 400, {"trainers": {"replicas": 1}, "auxiliary": {"replicas": 0}}),
     "swarm-lm": ("examples/swarm-lm.yaml", 20, {}),

@@ -44,3 +44,34 @@ def test_subclasses_keep_the_rpc_names_peers_meet_under():
     name = "run_state_averager", "rpc_download_state"
     assert FiniteStateAverager._get_handle_name(*name) == TrainingStateAverager._get_handle_name(*name)
     assert PlannedCountingGradientAverager.__name__ == planned(CountingGradientAverager).__name__
+
+
+def test_a_downloaded_state_is_loaded_only_whole():
+    """A state download cut short (or garbage from a donor) is refused, not half-loaded: hivemind
+    raised IndexError on one whose optimizer statistics were missing."""
+    from types import SimpleNamespace
+
+    import torch
+    from hivemind.optim.state_averager import dump_optimizer_state
+
+    from hivekeeper.hivemind_ext.optimizer import _LoadedEpoch
+
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2))]
+    optimizer = torch.optim.Adam(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    statistics, statistic_tensors = dump_optimizer_state(optimizer)
+    averager = SimpleNamespace(optimizer=optimizer, extra_tensors=())
+    metadata = {"epoch": 4, "optimizer_metadata": statistics}
+    whole = [p.detach() for p in params] + statistic_tensors
+
+    def is_whole(meta, tensors) -> bool:
+        return _LoadedEpoch._whole(averager, meta, tensors)
+
+    assert is_whole(metadata, whole)
+    assert not is_whole(metadata, whole[:-1])  # the stream ended one statistic early
+    assert not is_whole(metadata, whole[:1])  # ... or within the parameters
+    assert not is_whole({"epoch": 4}, whole)
+    assert not is_whole({"epoch": 4, "optimizer_metadata": [{"type": "tensor", "index": "x"}]}, whole)
+    assert not is_whole("garbage", whole) and not is_whole(metadata, None)

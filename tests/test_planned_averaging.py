@@ -207,6 +207,17 @@ def assert_stopped(pids: set[int]) -> None:
     assert not alive, f"p2pd processes leaked: {sorted(alive)}"
 
 
+def shut_down(averagers, dhts, others: set[int]) -> None:
+    """Stop the averagers and DHTs a test started, and check that the p2pd processes it started
+    (those not among `others`, running before it) are gone."""
+    started = own_p2pd() - others
+    for averager in averagers:
+        averager.shutdown()
+    for dht in dhts:
+        dht.shutdown()
+    assert_stopped(started)
+
+
 @pytest.fixture(scope="module")
 def swarm():
     """Four averagers in one DHT: two full peers, an auxiliary one and one in client mode."""
@@ -369,9 +380,4 @@ def test_hiveminds_gradient_averager_follows_the_plan():
             with averager.use_averaged_gradients() as (averaged,):
                 assert torch.allclose(averaged, (grads[0] * 1 + grads[1] * 3) / 4, atol=1e-5)
     finally:
-        started = own_p2pd() - others
-        for averager in averagers:
-            averager.shutdown()
-        for dht in dhts:
-            dht.shutdown()
-    assert_stopped(started)
+        shut_down(averagers, dhts, others)

@@ -39,6 +39,11 @@ class SwarmMetrics:
             "hivekeeper_averaging_rounds", "Gradient averaging rounds by outcome", "outcome")
         for outcome in ("success", "failure", "skipped"):
             self.averaging_rounds.labels(outcome)
+        self.parameter_rounds = counter(
+            "hivekeeper_parameter_rounds", "Parameter averaging rounds (held on the gradient round's group) by outcome",
+            "outcome")
+        for outcome in ("averaged", "failed"):
+            self.parameter_rounds.labels(outcome)
         self.averaging_round_duration = Histogram(
             "hivekeeper_averaging_round_duration_seconds",
             "Time from the start of an all-reduce to the averaged result", buckets=ROUND_SECONDS_BUCKETS, registry=r)

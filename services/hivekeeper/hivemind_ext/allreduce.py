@@ -53,6 +53,7 @@ moves, in counters that live in shared memory for the same reason.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -61,7 +62,7 @@ import math
 import multiprocessing as mp
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
@@ -79,6 +80,7 @@ from hivekeeper.hivemind_ext import check_hivemind_version
 from hivekeeper.hivemind_ext.group_round import (AcknowledgingRunner, Group, abandon_on_failure, add_averages,
                                                    bandwidth_split, start_runner)
 from hivekeeper.hivemind_ext.robust import CenteredClip, robust_runner
+from hivekeeper.hivemind_ext.state_round import STATE_ROUND_SUFFIX, StateRound, agreed_epoch
 
 check_hivemind_version(__name__)
 
@@ -89,7 +91,8 @@ log = logging.getLogger("hivekeeper.planned_averaging")
 
 MIN_WINDOW_PARTS = 4
 NOTICE_TIMEOUT = 2.0  # seconds for a groupmate-began notice
-PLAN_KEY = "hivekeeper.plan"  # marks a gathered entry: {PLAN_KEY: [digest, share], "gather": user data}
+PLAN_KEY = "hivekeeper.plan"  # marks a gathered entry: {PLAN_KEY: [digest, share, group size], "gather": user data}
+STATE_KEY = "hivekeeper.state"  # the parameter round's entry beside it: [epoch or None, layout]
 _CLIENT, _AUX = AveragingMode.CLIENT.value, AveragingMode.AUX.value
 # fields of the shared report
 _ROUNDS, _PLANNED, _ELEMENTS, _STARTED, _FINISHED, _GROUP, _MISSING, _PLANNED_ROUNDS = range(8)
@@ -172,11 +175,13 @@ class PlannedAverager(DecentralizedAverager):
     """DecentralizedAverager whose groups split the vector per a plan; see the module
     docstring. Combine with other averager classes through `planned(cls)`."""
 
-    def __init__(self, *args: Any, aggregation: Optional[CenteredClip] = None, **kwargs: Any):
+    def __init__(self, *args: Any, aggregation: Optional[CenteredClip] = None,
+                 state_round: Optional[StateRound] = None, **kwargs: Any):
         # shares, expiry (DHT time), digest, group size
         self._plan: Optional[tuple[dict[str, float], float, str, Optional[int]]] = None
         self._static_group_size: Optional[int] = kwargs.get("target_group_size")
         self._aggregation = aggregation  # None: hivemind's weighted mean
+        self.state_round = state_round  # parameters averaged on this averager's groups (see `state_round`)
         # created before super().__init__, which may fork the child: the child writes, the parent reads
         self._report = mp.get_context("fork").Array(ctypes.c_double, 8)
         # the scheduled time of the step whose group a groupmate has begun averaging (see `groupmate_began`)
@@ -223,11 +228,16 @@ class PlannedAverager(DecentralizedAverager):
                             missing_elements=int(report[_MISSING]), planned_rounds=int(report[_PLANNED_ROUNDS]))
 
     def step(self, gather: Any = None, *args: Any, **kwargs: Any):
-        """hivemind's step; the gathered data carries this peer's plan entry while the plan is valid."""
-        plan = self._plan
+        """hivemind's step; the gathered data carries this peer's plan entry while the plan is
+        valid, and its parameter-round entry when it has a state round."""
+        plan, entries = self._plan, {}
         if plan is not None and get_dht_time() < plan[1]:
             shares, _, digest, group_size = plan
-            gather = {PLAN_KEY: [digest, shares.get(str(self.peer_id)), group_size], "gather": gather}
+            entries[PLAN_KEY] = [digest, shares.get(str(self.peer_id)), group_size]
+        if self.state_round is not None:
+            entries[STATE_KEY] = self.state_round.entry()
+        if entries:
+            gather = {**entries, "gather": gather}
         return super().step(gather, *args, **kwargs)
 
     async def _step(self, *, step, **kwargs: Any):
@@ -236,7 +246,7 @@ class PlannedAverager(DecentralizedAverager):
         otherwise assembles only a group of `target_group_size` early, else waits out the whole
         matchmaking window (2 s of a demo step whose all-reduce takes 0.05 s)."""
         self._matchmaking.target_group_size = group_size_for_step(
-            self._static_group_size, _unwrap(self.serializer.loads(self.serializer.loads(step.data_for_gather)[2]))[0])
+            self._static_group_size, _unwrap(self.serializer.loads(self.serializer.loads(step.data_for_gather)[2])).plan)
         self._watch_formed_groups()
         return await super()._step(step=step, **kwargs)
 
@@ -282,8 +292,28 @@ class PlannedAverager(DecentralizedAverager):
             self._groupmate_began.value = formed[1].scheduled_time
         return averaging_pb2.AveragingData()
 
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info: GroupInfo):
+        """hivemind's, registering the parameter round's id as well (with a state round): a
+        groupmate that begins that round first then waits for this peer's runner."""
+        if self.state_round is None:
+            with super()._register_allreduce_group(group_info):
+                yield
+            return
+        state_id = group_info.group_id + STATE_ROUND_SUFFIX
+        self._running_groups[state_id] = asyncio.Future()
+        try:
+            with super()._register_allreduce_group(group_info):
+                yield
+        finally:
+            future = self._running_groups.pop(state_id, None)
+            if future is not None and not future.done():
+                future.cancel()  # no parameter round here: a groupmate waiting for one fails fast
+
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any):
-        """hivemind's step (`group_round`), with the fractions from the members' plan entries when they agree."""
+        """hivemind's step (`group_round`), with the fractions from the members' plan entries when
+        they agree, then the parameter round when the members agree on one."""
+        began = time.monotonic()
         with abandon_on_failure(report=log.exception):
             group = Group.read(self, group_info)
             if all(mode == _AUX for mode in group.mode_ids):
@@ -292,8 +322,10 @@ class PlannedAverager(DecentralizedAverager):
                 # group, so that they look again (hivemind retries until the step's deadline).
                 raise MatchmakingException("no member of the group sends data")
             self._announce_start(group)
-            entries, user_data = zip(*map(_unwrap, group.gathered))
-            fractions = planned_fractions(entries, group.mode_ids, self.total_size, min_vector_size)
+            gathered = [_unwrap(data) for data in group.gathered]
+            user_data = [entry.user for entry in gathered]
+            fractions = planned_fractions([entry.plan for entry in gathered], group.mode_ids, self.total_size,
+                                          min_vector_size)
             planned_kwargs = {} if fractions is None else dict(modes=group.modes)
             if fractions is None:
                 fractions = await bandwidth_split(self, group, min_vector_size)
@@ -301,14 +333,40 @@ class PlannedAverager(DecentralizedAverager):
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=fractions,
                                                    **planned_kwargs, **kwargs)
+            aggregated, missing = self._aggregated_elements, self._missing_elements
+            if self.state_round is not None:
+                epoch = agreed_epoch([entry.state for entry in gathered], group.mode_ids, self.state_round.layout)
+                if epoch is not None:
+                    budget = parameter_round_budget(self._allreduce_timeout, time.monotonic() - began,
+                                                    time.time() - started)
+                    await self._average_parameters(epoch, group_info, fractions, planned_kwargs, kwargs, budget)
             with self._report.get_lock():
                 report = self._report
                 report[_PLANNED], report[_STARTED], report[_FINISHED] = bool(planned_kwargs), started, time.time()
-                report[_ELEMENTS], report[_GROUP] = self._aggregated_elements, group.size
-                report[_MISSING] = self._missing_elements
+                report[_ELEMENTS], report[_GROUP] = aggregated, group.size
+                report[_MISSING] = missing
                 report[_ROUNDS] += 1
                 report[_PLANNED_ROUNDS] += bool(planned_kwargs)
             return dict(zip(group_info.peer_ids, user_data))
+
+    async def _average_parameters(self, epoch: int, group_info: GroupInfo, fractions: Sequence[int],
+                                  planned_kwargs: dict, kwargs: dict, budget: float) -> None:
+        """The parameter round on the gradient round's group and split (see `state_round`), given
+        at most `budget` seconds. Its failure is reported, not raised: the gradient round
+        succeeded, and the optimizer then keeps its own parameters."""
+        state = self.state_round
+        kwargs = dict(kwargs, weight=state.weight(epoch), tensor_infos=state.tensor_infos)
+        complete = False
+        try:
+            if budget <= 0:
+                raise asyncio.TimeoutError("no time left in the step's all-reduce")
+            await asyncio.wait_for(self._run_allreduce_inplace_(
+                state.tensors, group_info, group_info.group_id + STATE_ROUND_SUFFIX, peer_fractions=fractions,
+                **planned_kwargs, **kwargs), timeout=budget)
+            complete = self._missing_elements == 0
+        except Exception as e:  # asyncio.TimeoutError too
+            log.warning("parameter round failed; keeping the local parameters: %r", e)
+        state.report(epoch, complete)
 
     async def _run_allreduce_inplace_(self, tensors, group_info: GroupInfo, group_id: Optional[bytes] = None,
                                       **kwargs: Any):
@@ -324,6 +382,22 @@ class PlannedAverager(DecentralizedAverager):
         self._missing_elements = runner.tensor_part_container.failed_size
 
 
+PARAMETER_ROUND_MIN_SECONDS = 2.0
+PARAMETER_ROUND_MARGIN = 1.0  # seconds left for the step to return before hivemind's all-reduce timeout
+
+
+def parameter_round_budget(allreduce_timeout: Optional[float], elapsed: float, gradient_seconds: float) -> float:
+    """Seconds the parameter round may take: as long as a few gradient all-reduces of the same
+    vector (at least `PARAMETER_ROUND_MIN_SECONDS`), and never so long that hivemind's timeout on
+    the whole step (`allreduce_timeout`, `elapsed` of it spent) cancels it. A parameter round
+    still running then would have failed the gradient round that had succeeded (seen: a round
+    that lost a member stalled into the timeout, and every trainer reloaded)."""
+    budget = max(PARAMETER_ROUND_MIN_SECONDS, 3.0 * gradient_seconds)
+    if allreduce_timeout is not None:
+        budget = min(budget, allreduce_timeout - elapsed - PARAMETER_ROUND_MARGIN)
+    return budget
+
+
 def group_size_for_step(static: Optional[int], entry: Optional[Sequence[Any]]) -> Optional[int]:
     """The group a step assembles early: the plan's group size (capped by a size set at start),
     or the size set at start for a step without a plan."""
@@ -333,10 +407,16 @@ def group_size_for_step(static: Optional[int], entry: Optional[Sequence[Any]]) -
     return min(planned, static) if static else planned
 
 
-def _unwrap(data: Any) -> tuple[Optional[list], Any]:
-    if isinstance(data, dict) and PLAN_KEY in data:
-        return data[PLAN_KEY], data.get("gather")
-    return None, data
+class _Gathered(NamedTuple):
+    plan: Optional[list]  # [digest, share, group size], or None: no valid plan
+    state: Optional[list]  # [epoch or None, layout], or None: no state round
+    user: Any  # the data hivemind's caller gathered
+
+
+def _unwrap(data: Any) -> _Gathered:
+    if isinstance(data, dict) and "gather" in data and (PLAN_KEY in data or STATE_KEY in data):
+        return _Gathered(data.get(PLAN_KEY), data.get(STATE_KEY), data["gather"])
+    return _Gathered(None, None, data)
 
 
 def planned(averager_class: type) -> type:
@@ -357,9 +437,13 @@ class CountingGradientAverager(GradientAverager):
     def __init__(self, *args: Any, wire_bytes_per_element: float = 4.0, **kwargs: Any):
         ctx = mp.get_context("fork")
         self.sent_bytes, self.received_bytes = ctx.Value("d", 0.0), ctx.Value("d", 0.0)
-        self.last_round_bytes = ctx.Value("d", 0.0)  # each way, in the latest round
+        self.last_round_bytes = ctx.Value("d", 0.0)  # each way, in the latest step's rounds (with its parameters')
         self.wire_bytes_per_element = wire_bytes_per_element
         super().__init__(*args, **kwargs)
+
+    async def _aggregate_with_group(self, *args: Any, **kwargs: Any):
+        self.last_round_bytes.value = 0.0
+        return await super()._aggregate_with_group(*args, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
@@ -379,7 +463,7 @@ class CountingGradientAverager(GradientAverager):
             self.sent_bytes.value += outbound
         with self.received_bytes.get_lock():
             self.received_bytes.value += outbound  # all-reduce is symmetric: as much returns as goes out
-        self.last_round_bytes.value = outbound
+        self.last_round_bytes.value += outbound
 
 
 class PlannedCountingGradientAverager(CountingGradientAverager, PlannedAverager):

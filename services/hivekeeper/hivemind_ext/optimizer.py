@@ -11,9 +11,10 @@ aggregation comes with the gradient averager's factory).
 It also keeps replicas in lockstep and rounds at the wire's pace (issue 20): it looks for a
 group as soon as its previous step's accumulation time says the batch is near, steps at once
 when a groupmate began the round (`PlannedAverager.groupmate_began`), times each step's phases
-(`StepClock`, the planner's fixed costs), refuses a parameter average that arrives after the
-next optimizer step, reloads the state after a failed round, and loads a state again while it
-is behind the global step.
+(`StepClock`, the planner's fixed costs), averages the parameters on the gradient round's
+group (`parameters_every`, see `state_round`; with DPU hivemind's own parameter rounds remain,
+and a parameter average that arrives after the next optimizer step is refused), reloads the
+state after a failed round, and loads a state again while it is behind the global step.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from hivekeeper.hivemind_ext import check_hivemind_version
 from hivekeeper.hivemind_ext.allreduce import CountingGradientAverager, PlannedAverager, PlannedRound
 from hivekeeper.hivemind_ext.group_round import add_averages, bytes_sent, start_runner
 from hivekeeper.hivemind_ext.robust import CenteredClip, robust_runner
+from hivekeeper.hivemind_ext.state_round import StateRound
 from hivekeeper.metrics import SwarmMetrics
 from hivekeeper.planning.step_clock import StepClock
 
@@ -76,15 +78,36 @@ class _LoadedEpoch(DecentralizedAverager):
     """Placed between TrainingStateAverager and DecentralizedAverager: records the epoch of the
     state the latest `load_state_from_peers` downloaded (None if it got none). hivemind's
     optimizer then overwrites the local epoch when it "catches up", and only this tells what
-    the parameters really are."""
+    the parameters really are.
+
+    It also refuses a state that is not whole. hivemind takes whatever tensors a download
+    stream delivered before it ended, and loads the optimizer's statistics by the indices in the
+    metadata: a stream cut short raised IndexError out of `load_state_from_peers` (seen on the
+    demo's monitor, whose final evaluation then crashed), and a donor may send anything."""
 
     loaded_epoch: Optional[int] = None
 
     def load_state_from_peers(self, *args: Any, **kwargs: Any):
         loaded = super().load_state_from_peers(*args, **kwargs)
-        epoch = loaded[0].get("epoch") if loaded is not None and isinstance(loaded[0], dict) else None
+        if loaded is not None and not self._whole(*loaded):
+            log.warning("downloaded state is incomplete or malformed; not loading it",
+                        extra={"fields": {"tensors": len(loaded[1]) if isinstance(loaded[1], (list, tuple)) else None}})
+            loaded = None
+        epoch = loaded[0].get("epoch") if loaded is not None else None
         self.loaded_epoch = epoch if isinstance(epoch, int) else None
         return loaded
+
+    def _whole(self, metadata: Any, tensors: Any) -> bool:
+        """Whether a downloaded (metadata, tensors) holds every parameter, extra tensor and
+        optimizer statistic that a TrainingStateAverager's state has."""
+        if not isinstance(metadata, dict) or not isinstance(tensors, (list, tuple)):
+            return False
+        parameters = sum(len(group["params"]) for group in self.optimizer.param_groups) + len(self.extra_tensors)
+        statistics = metadata.get("optimizer_metadata")
+        if not isinstance(statistics, list) or len(tensors) < parameters:
+            return False
+        indices = [entry.get("index") for entry in statistics if isinstance(entry, dict) and entry.get("type") == "tensor"]
+        return all(isinstance(i, int) and 0 <= i < len(tensors) - parameters for i in indices)
 
 
 class FiniteStateAverager(TrainingStateAverager, _LoadedEpoch):
@@ -146,8 +169,12 @@ class InstrumentedOptimizer(hivemind.Optimizer):
     """hivemind's Optimizer feeding SwarmMetrics, with the guards in the module docstring."""
 
     def __init__(self, *args: Any, metrics: SwarmMetrics, expected_peers: int = 1,
-                 state_aggregation: Optional[CenteredClip] = None, **kwargs: Any):
+                 state_aggregation: Optional[CenteredClip] = None, parameters_every: Optional[int] = None,
+                 **kwargs: Any):
         self.metrics = metrics
+        # average parameters on the gradient round's group every this many steps (`StateRound`);
+        # hivemind's own parameter rounds (average_state_every) are then to be off
+        self.parameters_every = parameters_every
         self.state_aggregation = state_aggregation  # the parameter averages' (None: hivemind's mean)
         self.expected_peers = expected_peers
         self.last_round: dict[str, Any] = {}
@@ -198,6 +225,25 @@ class InstrumentedOptimizer(hivemind.Optimizer):
             client_mode=self.client_mode, auxiliary=self.auxiliary, aggregation=self.state_aggregation, start=True,
             **kwargs)
 
+    def _make_gradient_averager(self, factory, **kwargs: Any):
+        """hivemind's, with the parameter round on its groups when `parameters_every` is set."""
+        if self.parameters_every is not None:
+            kwargs["state_round"] = StateRound(self.state_averager.main_parameters, due=self._parameters_due)
+        return super()._make_gradient_averager(factory, **kwargs)
+
+    def _parameters_due(self) -> Optional[int]:
+        """The epoch whose step this peer would also average parameters at, if it scheduled its
+        round now; None when not due, for an auxiliary (it has no replica to share), and for a
+        replica out of sync (it reloads before it computes again)."""
+        epoch = self.local_epoch
+        if self.auxiliary or self._out_of_sync or (epoch + 1) % self.parameters_every:
+            return None
+        return epoch
+
+    @property
+    def _state_round(self) -> Optional[StateRound]:
+        return getattr(self.grad_averager, "state_round", None)
+
     def _make_progress_tracker(self, target_batch_size: int, **kwargs: Any) -> ProgressTracker:
         return BatchBoundTracker(
             dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size, client_mode=self.client_mode,
@@ -238,6 +284,9 @@ class InstrumentedOptimizer(hivemind.Optimizer):
         self._round_recorded = False
         epoch = self.local_epoch
         self._accumulation = self.clock.triggered(time.time())
+        state_round = self._state_round
+        if state_round is not None and self._parameters_due() == epoch:
+            state_round.load(self.state_averager.main_parameters, epoch)
         rounds_before, began = self._rounds_done(), time.perf_counter()
         super()._update_global_epoch(grad_scaler)
         self.stalled_seconds += time.perf_counter() - began
@@ -335,7 +384,24 @@ class InstrumentedOptimizer(hivemind.Optimizer):
                             extra={"fields": {"missing_elements": missing, "members": len(members)}})
         else:
             outcome, group_size = "failure", 0
-        self._record_round(outcome, group_size, seconds, self.local_epoch, members, missing)
+        parameters = self._take_averaged_parameters(outcome)
+        self._record_round(outcome, group_size, seconds, self.local_epoch, members, missing, parameters)
+
+    def _take_averaged_parameters(self, outcome: str) -> Optional[str]:
+        """After a successful round, this replica's parameters become the group's average when
+        the step's parameter round completed here; returns that round's outcome (None: none ran)."""
+        state_round = self._state_round
+        if state_round is None:
+            return None
+        if outcome != "success":  # this replica reloads (or stepped alone): the average is not for it
+            state_round.discard()
+            return None
+        result = state_round.take(self.state_averager.main_parameters)
+        if result is not None:
+            self.metrics.parameter_rounds.labels(result).inc()
+        if result == "failed":
+            log.info("parameter round incomplete here; keeping the local parameters")
+        return result
 
     def _drop_update(self) -> None:
         """Zero the gradients the optimizer is about to step on. On a mix of the average and its
@@ -352,7 +418,7 @@ class InstrumentedOptimizer(hivemind.Optimizer):
         return last.missing_elements if last is not None else 0
 
     def _record_round(self, outcome: str, group_size: int, seconds: float, epoch: int,
-                      members: list[str] = (), missing_elements: int = 0) -> None:
+                      members: list[str] = (), missing_elements: int = 0, parameters: Optional[str] = None) -> None:
         self._round_recorded = True
         self.metrics.averaging_rounds.labels(outcome).inc()
         if outcome == "success":
@@ -362,6 +428,8 @@ class InstrumentedOptimizer(hivemind.Optimizer):
                            "time": time.time(), "members": list(members) or [str(self.dht.peer_id)]}
         if missing_elements:  # a round the group finished but this peer got only part of
             self.last_round["missingElements"] = missing_elements
+        if parameters is not None:  # the step's parameter round: "averaged" or "failed"
+            self.last_round["parameters"] = parameters
         self.sync_byte_counters()
 
     @property

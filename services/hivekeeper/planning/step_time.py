@@ -16,12 +16,16 @@ trips on top of its bytes, and the optimizer step follows. Peers measure those p
                                                           runs while the next batch computes)
 
 with compute = B / (sum of the computing peers' samples/s), transfer = the plan's averaging
-time, and fixed = lag + wait + round trips + after, each the median over the computing peers:
+time (of the gradients), and fixed = lag + wait + round trips + after, each the median over the computing peers:
 
 - lag: accumulation beyond B / S, the time until a peer sees that the global batch is complete;
 - wait: from a peer's trigger to its all-reduce (the group forming, groupmates' last batches);
-- round trips: the all-reduce's time beyond its bytes at the measured rates;
-- after: the rest of the step (optimizer step, foreground parameter averaging).
+- round trips: the all-reduce's time beyond its bytes at the measured rates (with the parameter
+  round that follows the gradient round on its group, `averageStateEvery`: the LP's vector is the
+  gradients', and a second vector in the LP made the plans that leave one trainer computing alone,
+  and need no round, look faster; every role switch then cost a state reload, and on the demo
+  all three trainers once sat switched out for 20 s);
+- after: the rest of the step (the optimizer step).
 
 Roles. The LP's objective, min(compute rate, aggregation rate), assumes a step's compute and
 averaging overlap, and among its ties it may take a computing peer out to aggregate only: on the

@@ -20,6 +20,7 @@ from hivekeeper.training.optimizers import scheduler_factory, torch_optimizer_fa
 
 log = logging.getLogger("hivekeeper.monitor")
 POLL_SECONDS = 1.0
+STATE_ATTEMPTS = 3  # state downloads per evaluation (a donor may be busy, leave, or send a partial state)
 
 
 
@@ -49,12 +50,14 @@ class Monitor:
 
     def run(self) -> int:
         import hivemind
-        from hivemind.optim.state_averager import TrainingStateAverager
+
+        from hivekeeper.hivemind_ext.optimizer import FiniteStateAverager
 
         ctx = self.ctx
         ctx.start_endpoint()
         self.dht = ctx.make_dht(client_mode=True)  # it downloads state; nobody needs to dial it
-        self.state = None if ctx.spec.averaging.merges_weights else TrainingStateAverager(
+        # it only downloads states (FiniteStateAverager refuses one that is not whole)
+        self.state = None if ctx.spec.averaging.merges_weights else FiniteStateAverager(
             dht=self.dht,
             optimizer=torch_optimizer_factory(ctx.spec.optimizer),
             scheduler=scheduler_factory(ctx.spec.optimizer),
@@ -176,7 +179,12 @@ class Monitor:
                 if spec.averaging.shares_optimizer_state else None  # DiLoCo: outer parameters and momentum
             metadata = load_merged_state(self.dht, self.ctx.run_id, self.model, optimizer)
             return int(metadata["step"]) if metadata else max(self.eval_step, 0)
-        self.state.load_state_from_peers(timeout=30.0)
+        for attempt in range(1, STATE_ATTEMPTS + 1):
+            self.state.load_state_from_peers(timeout=30.0)
+            if self.state.loaded_epoch is not None:
+                break
+            log.warning("no whole state downloaded from the trainers", extra={"fields": {"attempt": attempt}})
+            time.sleep(1.0)
         return self.state.local_epoch
 
     def evaluate(self) -> dict[str, float]:

@@ -43,6 +43,14 @@ def averaging_group_size(spec: SwarmSpec) -> int:
 NEVER = 2**31 - 1  # an averageStateEvery no run reaches
 
 
+def hivemind_parameter_rounds(spec: SwarmSpec, auxiliary: bool = False) -> bool:
+    """Whether this peer averages parameters in hivemind's own rounds (matched apart from the
+    gradient rounds, in the background) rather than on each gradient round's group right after
+    it (`hivekeeper.hivemind_ext.state_round`). Only with DPU: there the optimizer steps in the
+    background while the next gradient round runs, so no parameters are settled at the round."""
+    return spec.averaging.delayed_parameter_updates and not auxiliary
+
+
 def state_group_size(spec: SwarmSpec) -> int:
     """The parameter-averaging group: the gradient group's size, of trainers only (auxiliaries
     do not average parameters), so that a whole group assembles at once."""
@@ -112,9 +120,11 @@ def make_collaborative_optimizer(
         next_chunk_timeout=chunk_timeout(averaging.matchmaking_seconds, averaging.timeout_seconds),
         delay_optimizer_step=averaging.delayed_parameter_updates,
         delay_grad_averaging=averaging.delayed_parameter_updates,
-        # an auxiliary holds no parameters of its own to keep in line, and hivemind runs its state
-        # rounds in the foreground: each one held back its next gradient round (0.5 s of a demo step)
-        average_state_every=NEVER if auxiliary else averaging.average_state_every,
+        # parameter rounds ride the gradient rounds' groups (`parameters_every`), except with DPU,
+        # whose optimizer steps in the background while the next round runs: hivemind's own
+        # rounds then (an auxiliary holds no parameters of its own to keep in line)
+        average_state_every=averaging.average_state_every if hivemind_parameter_rounds(spec, auxiliary) else NEVER,
+        parameters_every=None if averaging.delayed_parameter_updates else averaging.average_state_every,
         auxiliary=auxiliary,
         client_mode=dht.client_mode,
         grad_compression=grad_compression,
