@@ -20,7 +20,7 @@ pytest.importorskip("kmock", reason="the operator-test extra is not installed (p
 
 from conftest import REPO  # noqa: E402
 from hivekeeper.local.network import free_port  # noqa: E402
-from hivekeeper_operator.kube import Kube  # noqa: E402
+from hivekeeper_operator.kube import Kube, KubeError  # noqa: E402
 from hivekeeper_operator.leader import LeaderElection, LeadershipLost  # noqa: E402
 from hivekeeper_operator.pods import WorkloadSettings  # noqa: E402
 from hivekeeper_operator.reconcile import OperatorConfig  # noqa: E402
@@ -75,12 +75,20 @@ def child_writes(operator: Operator) -> float:
 
 
 def set_lease(client, holder: str, duration: int) -> None:
-    """What another replica's renewal would write (a replica that then dies: nobody renews)."""
+    """What another replica's renewal would write (a replica that then dies: nobody renews).
+    Like any writer of a lease it retries on a conflict: the leader renews every 0.3 s here, and
+    a renewal between our read and our write made the write stale (seen in CI: 409)."""
     kube = Kube(client)
-    live = kube.get("coordination.k8s.io/v1", "Lease", NS, LEASE)
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    kube.replace({**live, "spec": {**live["spec"], "holderIdentity": holder, "leaseDurationSeconds": duration,
-                                   "renewTime": now}})
+    for attempt in range(20):
+        live = kube.get("coordination.k8s.io/v1", "Lease", NS, LEASE)
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        try:
+            kube.replace({**live, "spec": {**live["spec"], "holderIdentity": holder, "leaseDurationSeconds": duration,
+                                           "renewTime": now}})
+            return
+        except KubeError as e:
+            if e.status != 409 or attempt == 19:
+                raise
 
 
 def test_one_replica_leads_and_the_other_takes_over_when_it_stops(cluster, client, start_replica):
