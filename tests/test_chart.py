@@ -16,6 +16,7 @@ from conftest import REPO
 
 CHART = REPO / "charts" / "hivekeeper"
 K8S_VERSION = "1.33.0"
+CHART_META = yaml.safe_load((CHART / "Chart.yaml").read_text())
 
 
 def find_helm() -> str | None:
@@ -92,9 +93,10 @@ def test_chart_installs_the_crds_the_operator_and_its_rbac():
     deployment = next(d for d in documents if d["kind"] == "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["hivekeeper-operator"]
-    assert container["image"] == "hivekeeper:0.1.0"
+    image = f"hivekeeper:{CHART_META['appVersion']}"
+    assert container["image"] == image
     env = {e["name"]: e["value"] for e in container["env"]}
-    assert env["HIVEKEEPER_WATCH_NAMESPACES"] == "" and env["HIVEKEEPER_IMAGE"] == "hivekeeper:0.1.0"
+    assert env["HIVEKEEPER_WATCH_NAMESPACES"] == "" and env["HIVEKEEPER_IMAGE"] == image
     assert {p["path"] for p in (container["livenessProbe"]["httpGet"], container["readinessProbe"]["httpGet"])} == {
         "/healthz", "/readyz"}
     assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
@@ -319,7 +321,7 @@ def test_crds_render_as_the_generated_ones_kept_on_uninstall():
             k: v for k, v in generated[name].items() if k != "metadata"}, name
         assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
         assert crd["metadata"]["labels"] == {**generated[name]["metadata"]["labels"],
-                                             "helm.sh/chart": "hivekeeper-0.2.0"}
+                                             "helm.sh/chart": f"hivekeeper-{CHART_META['version']}"}
 
     assert crd_documents(render("crds.install=false")) == {}
     assert all("annotations" not in crd["metadata"] for crd in crd_documents(render("crds.keep=false")).values())

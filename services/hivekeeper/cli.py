@@ -40,6 +40,9 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--version"]:  # as argparse would print it, without importing every command
+        print(f"hivekeeper {__version__}")
+        return 0
     args = build_parser(named_command(argv)).parse_args(argv)
     try:
         return int(args.handler(args) or 0)
