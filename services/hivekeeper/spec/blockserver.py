@@ -22,13 +22,13 @@ WireCompression = Literal["none", "float16", "blockwise8bit"]
 class TinyModelSpec(SpecModel):
     """A small model built from a config with seeded random weights: identical in every process."""
 
-    architecture: Literal["llama", "gpt2"] = "llama"
-    hidden_size: int = Field(64, ge=8, le=4096)
-    num_layers: int = Field(6, ge=1, le=128)
-    num_heads: int = Field(4, ge=1, le=64)
+    architecture: Literal["llama", "gpt2"] = Field("llama", description="Llama- or GPT-2-style blocks")
+    hidden_size: int = Field(64, ge=8, le=4096, description="model width")
+    num_layers: int = Field(6, ge=1, le=128, description="transformer blocks")
+    num_heads: int = Field(4, ge=1, le=64, description="attention heads per block")
     vocab_size: int = Field(256, ge=2, le=262144, description="256: bytes are tokens, no tokenizer needed")
-    max_positions: int = Field(512, ge=8, le=65536)
-    seed: int = Field(0, ge=0)
+    max_positions: int = Field(512, ge=8, le=65536, description="the longest sequence (prompt + generated)")
+    seed: int = Field(0, ge=0, description="seed of the random weights")
 
     cel_rules = (CelRule("self.hiddenSize % self.numHeads == 0", "must be a multiple of numHeads", ".hiddenSize"),)
 
@@ -86,31 +86,33 @@ class ServersSpec(SpecModel):
     torch_threads: Optional[int] = Field(
         None, ge=1, description="CPU threads per server for torch; default: the cores the server is given "
                                 "(its container's CPU limit, else resources.cpu rounded up)")
-    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
+    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"),
+                                 description="each server pod's")
     placement: Placement = Field(default_factory=Placement)
 
 
 class BalancerSpec(SpecModel):
     """Computes a global span assignment maximizing the worst block's throughput and publishes it."""
 
-    enabled: StrictBool = True
-    replan_seconds: float = Field(10.0, gt=0)
+    enabled: StrictBool = Field(True, description="false: servers choose their spans by Petals' rule alone")
+    replan_seconds: float = Field(10.0, gt=0, description="how often the assignment is solved again")
     placement: Placement = Field(default_factory=Placement)
 
 
 class ClientSpec(SpecModel):
     """A scripted client: generates from a prompt through the servers, then the run is done."""
 
-    enabled: StrictBool = True
-    prompt: str = Field("def fibonacci(n):", min_length=1, max_length=65536)
-    new_tokens: int = Field(32, ge=1, le=4096)
+    enabled: StrictBool = Field(True, description="run the scripted client; false: servers only, the run never ends")
+    prompt: str = Field("def fibonacci(n):", min_length=1, max_length=65536, description="text to continue")
+    new_tokens: int = Field(32, ge=1, le=4096, description="tokens to generate")
     do_sample: StrictBool = Field(False, description="false: greedy decoding")
-    temperature: float = Field(1.0, gt=0)
-    top_k: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (doSample)")
+    top_k: Optional[int] = Field(None, ge=1, description="sample among the k likeliest tokens (doSample); default: all")
     seed: int = Field(0, ge=0, description="sampling seed")
     verify_local: StrictBool = Field(
         True, description="also generate with the whole model in the client's process and compare tokens")
-    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="1Gi"))
+    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="1Gi"),
+                                 description="the client pod's")
     placement: Placement = Field(default_factory=Placement)
 
 
@@ -121,13 +123,15 @@ def _tiny(field: str) -> str:
 
 
 class BlockServerSpec(SpecModel):
-    model: ModelSpec = Field(default_factory=ModelSpec)
-    servers: ServersSpec = Field(default_factory=ServersSpec)
+    model: ModelSpec = Field(default_factory=ModelSpec, description="the causal language model whose blocks are served")
+    servers: ServersSpec = Field(default_factory=ServersSpec, description="the block servers")
     compression: WireCompression = Field("none", description="hidden states on the wire")
     balancer: BalancerSpec = Field(default_factory=BalancerSpec)
     client: ClientSpec = Field(default_factory=ClientSpec)
-    backbone: BackboneSpec = Field(default_factory=BackboneSpec)
-    volunteers: VolunteersSpec = Field(default_factory=VolunteersSpec)
+    backbone: BackboneSpec = Field(default_factory=BackboneSpec, description="the DHT peers every other peer "
+                                                                             "bootstraps from")
+    volunteers: VolunteersSpec = Field(default_factory=VolunteersSpec,
+                                       description="let machines outside the cluster join as servers, by token")
     placement: Placement = Field(default_factory=Placement, description="every pod's; merged under each group's")
 
     cel_rules = (

@@ -63,7 +63,8 @@ class ServerSpec(SpecModel):
     announce_period_seconds: float = Field(2.0, gt=0, description="how often servers re-announce their experts")
     announce_expiration_seconds: float = Field(
         6.0, gt=0, description="DHT entries of a server's experts expire this long after its last announcement")
-    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"))
+    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"),
+                                 description="each server pod's")
     placement: Placement = Field(default_factory=Placement)
 
 
@@ -77,7 +78,7 @@ class CheckpointSpec(SpecModel):
     holds an expert after a restart or a rebalance finds its file: in a cluster, one claim shared
     by every server (not a volume per server)."""
 
-    enabled: StrictBool = True
+    enabled: StrictBool = Field(True, description="save every expert, and resume from the saved files")
     dir: Optional[str] = Field(None, description="shared by all servers; default: RUN_DIR/experts "
                                                  "(in a cluster: where the servers' claim is mounted)")
     every_seconds: float = Field(5.0, gt=0, description="servers save their experts this often (and at shutdown)")
@@ -115,13 +116,13 @@ class DMoESpec(SpecModel):
 
 class ExpertTrainerSpec(SpecModel):
     replicas: int = Field(1, ge=1, description="trainers; each has its own gating and local layers, the experts are shared")
-    batch_size: int = Field(32, ge=1)
+    batch_size: int = Field(32, ge=1, description="examples per trainer batch")
     batches_in_flight: int = Field(4, ge=1, le=256, description="asynchronous training: batches processed concurrently")
     optimizer: OptimizerSpec = Field(default_factory=lambda: OptimizerSpec(learning_rate=3e-3),
                                      description="for the trainer's own parameters (gating, input and output layers)")
     dmoe: DMoESpec = Field(default_factory=DMoESpec)
     eval_every_steps: int = Field(20, ge=1, description="evaluate held-out metrics every N batches")
-    resources: Resources = Field(default_factory=Resources)
+    resources: Resources = Field(default_factory=Resources, description="each trainer pod's")
     placement: Placement = Field(default_factory=Placement)
 
 
@@ -134,15 +135,19 @@ def _grid_size() -> str:
 class ExpertPoolSpec(SpecModel):
     task: TaskSpec = Field(default_factory=TaskSpec, description="the data trainers learn from (digits)")
     grid: GridSpec = Field(default_factory=GridSpec)
-    expert: ExpertSpec = Field(default_factory=ExpertSpec)
+    expert: ExpertSpec = Field(default_factory=ExpertSpec, description="every expert's shape")
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec,
                                      description="how servers update expert weights on each backward request")
-    backbone: BackboneSpec = Field(default_factory=BackboneSpec)
-    servers: ServerSpec = Field(default_factory=ServerSpec)
+    backbone: BackboneSpec = Field(default_factory=BackboneSpec, description="the DHT peers every other peer "
+                                                                             "bootstraps from")
+    servers: ServerSpec = Field(default_factory=ServerSpec, description="the expert servers")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    trainers: ExpertTrainerSpec = Field(default_factory=ExpertTrainerSpec)
-    stopping: StoppingSpec = Field(default_factory=lambda: StoppingSpec(target_steps=200))
-    volunteers: VolunteersSpec = Field(default_factory=VolunteersSpec)
+    trainers: ExpertTrainerSpec = Field(default_factory=ExpertTrainerSpec,
+                                        description="the trainers whose DMoE layers call the experts")
+    stopping: StoppingSpec = Field(default_factory=lambda: StoppingSpec(target_steps=200),
+                                   description="when the run is done")
+    volunteers: VolunteersSpec = Field(default_factory=VolunteersSpec,
+                                       description="let machines outside the cluster join as expert servers, by token")
     placement: Placement = Field(default_factory=Placement, description="every pod's; merged under each group's")
 
     @property

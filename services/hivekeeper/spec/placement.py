@@ -54,7 +54,8 @@ class Toleration(SpecModel):
     """A pod toleration, as in Kubernetes."""
 
     key: Optional[str] = Field(None, description="the taint's key; empty with operator Exists: every taint")
-    operator: Literal["Equal", "Exists"] = "Equal"
+    operator: Literal["Equal", "Exists"] = Field("Equal", description="Equal: the taint's key and value; Exists: "
+                                                                      "any value of the key")
     value: Optional[str] = Field(None, description="the taint's value (operator Equal)")
     effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = Field(
         None, description="the taint effect to tolerate; empty: all")
@@ -86,8 +87,8 @@ class Toleration(SpecModel):
 class EnvVar(SpecModel):
     """An environment variable of the pod's container, as in Kubernetes."""
 
-    name: str = Field(pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", max_length=253)
-    value: Optional[str] = None
+    name: str = Field(pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", max_length=253, description="the variable's name")
+    value: Optional[str] = Field(None, description="its value (or valueFrom)")
     value_from: Optional[dict[str, Any]] = Field(
         None, description="as a container's env valueFrom: secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef")
 
@@ -106,7 +107,7 @@ class Volume(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    name: str = Field(pattern=DNS_LABEL, max_length=63)
+    name: str = Field(pattern=DNS_LABEL, max_length=63, description="the volume's name, for volumeMounts")
 
     @model_validator(mode="after")
     def _one_source(self) -> "Volume":
@@ -121,7 +122,7 @@ class Volume(BaseModel):
 class VolumeMount(SpecModel):
     name: str = Field(pattern=DNS_LABEL, max_length=63, description="a volume of this placement or the spec-wide one")
     mount_path: str = Field(pattern=r"^/", max_length=4096, description="absolute path in the container")
-    read_only: StrictBool = False
+    read_only: StrictBool = Field(False, description="mount it read-only")
     sub_path: Optional[str] = Field(None, pattern=r"^[^/]", description="a path inside the volume")
 
 
@@ -136,7 +137,8 @@ class Placement(SpecModel):
     tolerations: list[Toleration] = Field(default_factory=list, max_length=MAX_ENTRIES)
     affinity: Optional[dict[str, Any]] = Field(
         None, description="a pod affinity as Kubernetes takes it: nodeAffinity, podAffinity, podAntiAffinity")
-    priority_class_name: Optional[str] = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
+    priority_class_name: Optional[str] = Field(None, pattern=DNS_SUBDOMAIN, max_length=253,
+                                               description="the pods' PriorityClass")
     scheduler_name: Optional[str] = Field(None, min_length=1, description="default: the cluster's default scheduler")
     labels: dict[str, str] = Field(
         default_factory=dict, max_length=MAX_ENTRIES,

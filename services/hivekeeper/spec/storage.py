@@ -21,7 +21,8 @@ class VolumeClaimSpec(SpecModel):
     size: Quantity = Field("1Gi", description="storage requested, a Kubernetes quantity")
     storage_class_name: Optional[str] = Field(None, pattern=DNS_SUBDOMAIN, max_length=253,
                                               description="default: the cluster's default StorageClass")
-    access_mode: Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"] = "ReadWriteOnce"
+    access_mode: Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"] = Field(
+        "ReadWriteOnce", description="the claim's access mode, as Kubernetes has it")
 
 
 def claim_rules(directory_field: str) -> tuple[CelRule, ...]:

@@ -37,9 +37,9 @@ class BandwidthLimits(SpecModel):
 
 
 class TrainerSpec(SpecModel):
-    replicas: int = Field(2, ge=0)
+    replicas: int = Field(2, ge=0, description="trainers: peers that compute gradients (GPU or CPU)")
     batch_size: int = Field(32, ge=1, description="local batch per forward/backward pass")
-    resources: Resources = Field(default_factory=Resources)
+    resources: Resources = Field(default_factory=Resources, description="each trainer pod's")
     client_mode: StrictBool = Field(False, description="trainers cannot accept inbound connections")
     bandwidth: BandwidthLimits = Field(default_factory=BandwidthLimits)
     placement: Placement = Field(default_factory=Placement)
@@ -47,7 +47,8 @@ class TrainerSpec(SpecModel):
 
 class AuxiliarySpec(SpecModel):
     replicas: int = Field(0, ge=0, description="CPU-only peers that only help averaging")
-    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="1Gi"))
+    resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="1Gi"),
+                                 description="each auxiliary pod's")
     bandwidth: BandwidthLimits = Field(default_factory=BandwidthLimits)
     placement: Placement = Field(default_factory=Placement)
 
@@ -90,7 +91,7 @@ _OUTER_DEFAULTS = tuple((info.alias or name, str(info.default).lower())
 class AveragingSpec(SpecModel):
     matchmaking_seconds: float = Field(2.0, gt=0, description="time to gather a group before each round")
     timeout_seconds: float = Field(30.0, gt=0, description="give up on a round after this long")
-    compression: CompressionName = "none"
+    compression: CompressionName = Field("none", description="how tensors travel in averaging rounds")
     aggregation: Literal["mean", "centeredClip"] = Field(
         "mean", description="mean: hivemind's weighted mean; centeredClip: robust to hostile peers (docs/security.md)")
     centered_clip: CenteredClipSpec = Field(default_factory=CenteredClipSpec)
@@ -199,13 +200,14 @@ class AveragingSpec(SpecModel):
 
 
 class MonitorSpec(SpecModel):
-    enabled: StrictBool = True  # strict: 'yes' is an error here, as it is for the CRD
+    # strict: 'yes' is an error here, as it is for the CRD
+    enabled: StrictBool = Field(True, description="run the monitor: held-out evaluation, checkpoints, the run's end")
     eval_every_steps: int = Field(5, ge=1, description="evaluate held-out metrics every N global steps")
-    checkpoint_every_steps: int = Field(20, ge=1)
+    checkpoint_every_steps: int = Field(20, ge=1, description="save the averaged model every N global steps")
     checkpoint_dir: Optional[str] = Field(
         None, description="checkpoints and the final model; default: RUN_DIR/checkpoints (in a cluster: where the "
                           "claim is mounted, with one)")
-    keep_checkpoints: int = Field(3, ge=1)
+    keep_checkpoints: int = Field(3, ge=1, description="step-N.pt files kept; older ones are deleted")
     volume_claim: Optional[VolumeClaimSpec] = Field(
         None, description="cluster only: keep the checkpoints and the final model on a claim the operator makes "
                           "(NAME-checkpoints) and deletes with the Swarm, so a rescheduled monitor goes on numbering "
@@ -229,16 +231,23 @@ class MonitorSpec(SpecModel):
 
 class SwarmSpec(SpecModel):
     task: TaskSpec = Field(default_factory=TaskSpec)
-    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec,
+                                     description="each replica's local optimizer (DiLoCo's inner one)")
     target_batch_size: int = Field(256, ge=1, description="global batch per optimizer step, whatever the peer count")
-    backbone: BackboneSpec = Field(default_factory=BackboneSpec)
-    trainers: TrainerSpec = Field(default_factory=TrainerSpec)
-    auxiliary: AuxiliarySpec = Field(default_factory=AuxiliarySpec)
-    averaging: AveragingSpec = Field(default_factory=AveragingSpec)
-    monitor: MonitorSpec = Field(default_factory=MonitorSpec)
+    backbone: BackboneSpec = Field(default_factory=BackboneSpec, description="the DHT peers every other peer "
+                                                                             "bootstraps from")
+    trainers: TrainerSpec = Field(default_factory=TrainerSpec, description="the peers that compute gradients")
+    auxiliary: AuxiliarySpec = Field(default_factory=AuxiliarySpec,
+                                     description="CPU-only peers that only help averaging (mode gradients)")
+    averaging: AveragingSpec = Field(default_factory=AveragingSpec,
+                                     description="how replicas combine: rounds, compression, aggregation, mode")
+    monitor: MonitorSpec = Field(default_factory=MonitorSpec,
+                                 description="evaluates the averaged model, keeps checkpoints, ends the run")
     balancer: BalancerSpec = Field(default_factory=BalancerSpec)
-    stopping: StoppingSpec = Field(default_factory=lambda: StoppingSpec(target_steps=100))
-    volunteers: VolunteersSpec = Field(default_factory=VolunteersSpec)
+    stopping: StoppingSpec = Field(default_factory=lambda: StoppingSpec(target_steps=100),
+                                   description="when the run is done")
+    volunteers: VolunteersSpec = Field(default_factory=VolunteersSpec,
+                                       description="let machines outside the cluster join, by token")
     placement: Placement = Field(default_factory=Placement, description="every pod's; merged under each group's")
 
     cel_rules = (

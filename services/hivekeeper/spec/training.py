@@ -19,13 +19,13 @@ class TaskSpec(SpecModel):
 
 
 class OptimizerSpec(SpecModel):
-    name: Literal["adam", "adamw", "sgd"] = "adam"
-    learning_rate: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    name: Literal["adam", "adamw", "sgd"] = Field("adam", description="the torch optimizer")
+    learning_rate: float = Field(1e-3, gt=0, description="peak learning rate (after warmupSteps)")
+    weight_decay: float = Field(0.0, ge=0, description="L2 penalty (adam, sgd) or decoupled weight decay (adamw)")
     momentum: float = Field(0.0, ge=0, lt=1, description="sgd only")
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = Field((0.9, 0.999), description="adam, adamw: the moments' decay rates, each in [0, 1)")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, in global steps")
-    clip_grad_norm: Optional[float] = Field(None, gt=0)
+    clip_grad_norm: Optional[float] = Field(None, gt=0, description="clip the gradients' global norm to this; default: no clipping")
 
     @field_validator("betas")
     @classmethod
@@ -37,14 +37,14 @@ class OptimizerSpec(SpecModel):
 
 class TargetMetric(SpecModel):
     name: str = Field(description="a held-out metric of the task, e.g. accuracy or perplexity")
-    value: float
+    value: float = Field(description="the value to reach")
     mode: Literal["max", "min"] = Field("max", description="max: stop when metric >= value; min: when <= value")
 
 
 class StoppingSpec(SpecModel):
     target_steps: Optional[int] = Field(
         None, ge=1, description="stop after this many steps (a Swarm's global steps, an ExpertPool's trainer batches)")
-    target_metric: Optional[TargetMetric] = None
+    target_metric: Optional[TargetMetric] = Field(None, description="stop when a held-out metric reaches a value")
     max_wall_seconds: Optional[float] = Field(None, gt=0, description="give up after this long (local runs)")
 
     cel_rules = (CelRule("has(self.targetSteps) || has(self.targetMetric)",
