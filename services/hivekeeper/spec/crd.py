@@ -51,10 +51,10 @@ CATEGORY = "hivekeeper"
 class Condition(SpecModel):
     """A Kubernetes-style condition (metav1.Condition)."""
 
-    type: Literal["Ready", "Progressing", "Degraded"]
-    status: Literal["True", "False", "Unknown"]
+    type: Literal["Ready", "Progressing", "Degraded"] = Field(description="which condition")
+    status: Literal["True", "False", "Unknown"] = Field(description="whether it holds")
     reason: str = Field(description="CamelCase reason, e.g. AllPeersReady, RollingOut, InvalidSpec")
-    message: str = ""
+    message: str = Field("", description="what a person should know, in a sentence")
     last_transition_time: str = Field(description="RFC 3339 time the status last changed")
     observed_generation: Optional[int] = None
 
@@ -69,23 +69,24 @@ class ResourceStatus(SpecModel):
     """What the operator writes for every kind; each kind adds its roles and live figures."""
 
     observed_generation: Optional[int] = Field(None, description="the metadata.generation this status describes")
-    phase: Optional[Literal["Pending", "Running", "Succeeded", "Failed", "Invalid"]] = None
+    phase: Optional[Literal["Pending", "Running", "Succeeded", "Failed", "Invalid"]] = Field(
+        None, description="Invalid: the spec is refused (the InvalidSpec condition says why)")
     conditions: list[Condition] = Field(default_factory=list)
     ready_peers: Optional[str] = Field(None, description="ready pods / desired pods, all roles")
     initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of the backbone peers")
-    backbone: Optional[RoleStatus] = None
-    relays: Optional[RoleStatus] = None
-    auth: Optional[RoleStatus] = None
+    backbone: Optional[RoleStatus] = Field(None, description="the backbone's pods")
+    relays: Optional[RoleStatus] = Field(None, description="the relays' pods (spec.volunteers)")
+    auth: Optional[RoleStatus] = Field(None, description="the token service's pods (spec.volunteers)")
     volunteer_gateway: Optional[str] = Field(
         None, description="host:port volunteers pass to `hivekeeper join` (spec.volunteers)")
     volunteer_relays: list[str] = Field(default_factory=list, description="the relays' public multiaddrs")
 
 
 class SwarmStatus(ResourceStatus):
-    trainers: Optional[RoleStatus] = None
-    auxiliary: Optional[RoleStatus] = None
-    monitor: Optional[RoleStatus] = None
-    balancer: Optional[RoleStatus] = None
+    trainers: Optional[RoleStatus] = Field(None, description="the trainers' pods")
+    auxiliary: Optional[RoleStatus] = Field(None, description="the auxiliary peers' pods")
+    monitor: Optional[RoleStatus] = Field(None, description="the monitor's pod")
+    balancer: Optional[RoleStatus] = Field(None, description="the balancer's pod")
     selector: Optional[str] = Field(None, description="label selector of the trainer pods (scale subresource)")
     peers_alive: dict[str, int] = Field(default_factory=dict, description="peers reporting in the DHT, by role")
     global_step: Optional[int] = Field(None, ge=0, description="the collaboration's optimizer step (monitor)")
@@ -98,7 +99,7 @@ class SwarmStatus(ResourceStatus):
         None, ge=0, description="achieved / predicted steps/s: under 0.5 for long, something the plan does not model")
     outer_steps: Optional[int] = Field(
         None, ge=0, description="replicas that train alone: DiLoCo outer steps (merges in modes parameters, ties)")
-    loss: Optional[float] = None
+    loss: Optional[float] = Field(None, description="mean training loss of the latest step (monitor)")
     eval_metrics: dict[str, float] = Field(default_factory=dict, description="latest held-out metrics")
     last_monitor_update: Optional[str] = Field(None, description="RFC 3339 time of the last monitor reading")
 
@@ -192,15 +193,15 @@ register_kind(KindInfo(
 
 
 class ExpertPoolStatus(ResourceStatus):
-    servers: Optional[RoleStatus] = None
-    trainers: Optional[RoleStatus] = None
+    servers: Optional[RoleStatus] = Field(None, description="the expert servers' pods")
+    trainers: Optional[RoleStatus] = Field(None, description="the trainers' pods")
     selector: Optional[str] = Field(None, description="label selector of the expert server pods (scale subresource)")
     experts_hosted: Optional[int] = Field(None, ge=0, description="experts the spec spreads over the servers")
     experts_alive: Optional[int] = Field(None, ge=0, description="experts announced in the DHT and not expired")
     assignment: dict[str, list[str]] = Field(default_factory=dict, description="expert uids each server holds")
     step: Optional[int] = Field(None, ge=0, description="batches done by the furthest trainer")
     samples_per_second: Optional[float] = Field(None, ge=0, description="samples/s summed over live trainers")
-    loss: Optional[float] = None
+    loss: Optional[float] = Field(None, description="training loss the trainers last reported")
     eval_metrics: dict[str, float] = Field(default_factory=dict, description="latest held-out metrics")
 
 
@@ -227,9 +228,9 @@ register_kind(KindInfo(
 
 
 class BlockServerStatus(ResourceStatus):
-    servers: Optional[RoleStatus] = None
-    balancer: Optional[RoleStatus] = None
-    client: Optional[RoleStatus] = None
+    servers: Optional[RoleStatus] = Field(None, description="the block servers' pods")
+    balancer: Optional[RoleStatus] = Field(None, description="the balancer's pod")
+    client: Optional[RoleStatus] = Field(None, description="the scripted client's pod")
     selector: Optional[str] = Field(None, description="label selector of the block server pods (scale subresource)")
     num_blocks: Optional[int] = Field(None, ge=0, description="transformer blocks of the model")
     served_blocks: Optional[str] = Field(None, description="blocks held by an online server / all blocks")
