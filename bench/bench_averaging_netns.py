@@ -3,7 +3,7 @@ equal shares (all-reduce) and a parameter server, with real hivemind all-reduce.
 
 Anchors: (1) the planner's own prediction, `averagingSeconds` of `hivekeeper plan averaging`
 (P * bytes over the aggregation rate), from measured inputs as a running swarm's balancer
-has them; the issue asks for the measurement within 30 % of it. (2) DeDLOC (section 3.2,
+has them; the aim is the measurement within 30 % of it. (2) DeDLOC (section 3.2,
 fig. 3): under heterogeneous bandwidth, adaptive averaging beats both all-reduce and a
 parameter server.
 
@@ -43,10 +43,10 @@ Round time: from the first peer's start of all-reduce to the last peer's end (ma
 excluded); all namespaces share one clock. Every round checks the exact mean on every peer,
 and the tbf counters give the bytes each link carried. Now and then hivemind loses a part: a
 reducer's result stream ends one or two parts short ("sent 29 parts, but we expected 30")
-with no error logged at either end, the receiver a peer with a slow download; it has hit the
+with no error logged at either end, the receiver a peer with a slow download; it hits the
 equal, hivemind and plan splits alike, so it does not come from the plan's shares.
 
-Steps. Issue 20 asks for predicted against achieved steps/s (efficiency) here too. A round is
+Steps. The bench also reports predicted against achieved steps/s (efficiency). A round is
 a step whose batches are all ready at once (no compute): from the command that triggers every
 peer to the last peer's average. Its prediction is the planner's transfer time for the
 arrangement plus the fixed cost (`planning/step_time.py`) measured in the warm-up rounds as a
@@ -56,13 +56,13 @@ arrangement.
 Transport. Planned rounds (plan, equal, server) run hivekeeper's runner, which keeps each
 flow's unanswered parts within a window so that the answers clock the uploads (see
 `hivekeeper.hivemind_ext.allreduce`, "Flow window"); the hivemind arrangement runs
-hivemind's own. Without the window, a slow peer's averages came back slower than it uploaded
+hivemind's own. Without the window, a slow peer's averages come back slower than it uploads
 (TCP splits its upload unevenly among its flows, and an aggregator answers part k only when
-every sender's part k is in), the rest arriving after its upload had ended: planned rounds
-took 1.2-1.4x the prediction. A parameter server hardly shows it: each sender has one flow.
+every sender's part k is in), the rest arriving after its upload has ended, and planned rounds
+take 1.2-1.4x the prediction. A parameter server hardly shows it: each sender has one flow.
 
 Sizes. The defaults (4 x 40 and 4 x 8 Mbit/s, 2M floats) keep the network, not the two
-shared CPU cores, the bottleneck: at 200/20 Mbit/s a round here was as much CPU as transfer.
+shared CPU cores, the bottleneck: at 200/20 Mbit/s a round on 2 cores is as much CPU as transfer.
 With 4 fast and 4 slow peers the fast/slow ratio 5 also separates the baselines (at 200/20
 the parameter server ties the plan: each slow peer must move its vector once either way).
 Parts of 32 KiB instead of hivemind's 512 KiB: a part is the unit every aggregator waits for

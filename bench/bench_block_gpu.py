@@ -10,10 +10,10 @@ seeded random weights, bfloat16, batch 1) against the card's memory-bandwidth li
       real hivemind p2p on loopback; this process is the client (embeddings, head, routing).
 
 Anchor: at batch 1 every step reads every weight once, so memory bandwidth bounds the rate:
-limit steps/s = bandwidth / bytes of weights. The issue's scale: one H100 (3.35 TB/s) and 8B
+limit steps/s = bandwidth / bytes of weights. At the scale measured here: one H100 (3.35 TB/s) and 8B
 bf16 weights (16.06 GB) allow about 207 steps/s; HF generate reaches about 6% of that (Python
-overhead sets the pace). Goal (issue 21): distributed generation through 2 servers at >= 50% of that
-limit (the issue before it asked for 25%).
+overhead sets the pace). Goal: distributed generation through 2 servers at >= 50% of that
+limit.
 Both the spec bandwidth and a measured device-to-device copy bandwidth are reported, and the
 limit for the bytes a step really reads (blocks + head; one row of the embedding table).
 
@@ -24,46 +24,24 @@ replay, on each server), the server's own overhead around it (copies, checks, Py
 
 Prints a table and writes bench/results/block_gpu.json.
 
-Measured (runs 1-5 on 2026-11-23, run 6 on 2026-11-27; one H100 80GB HBM3 each run, 8B shape,
-bf16, batch 1, 128 new tokens; limit 209 steps/s = 16.06 GB at 3.35 TB/s; copy bandwidth measured
-2.94-2.99 TB/s). The CPU side (Python, RPC) differs between the machines lent: HF generate ran at 24 to
-51 steps/s on the same GPU.
-  run  fused step  HF generate  local static+graph  1 server  2 servers      3 servers
-  1    no          39.8         (capture failed*)   -         60.6 (29.1%)   -
-  2    no          23.7         98.2                -         51.3 (24.6%)   -
-  3    yes         42.6         134.8               -         72.0 (34.5%)   -
-  4    yes         27.4         129.0               85.3      57.5 (27.6%)   52.6 (25.2%)
-  5    yes         50.8         130.3 (62.5%)       103.8     67.9 (32.6%)   58.3 (28.0%)
-  6    yes         36.5         129.2 (61.9%)       103.1     79.8 (38.3%)   -
-  7    yes         (skipped)    133.9 (64.2%)       117.4     104.9 (50.3%)  -
-  8    yes         (skipped)    132.8 (63.7%)       116.1     96.9 (46.5%)   -
-  * a graph memory pool shared between sessions: fixed (a private pool per graph).
-Runs 7 and 8 ran one after the other on the same machine (faster on the CPU side than run 6's:
-the eager local path made 94 and 80 steps/s there, 64 in run 6). Run 7 (the committed JSON) has
-direct calls handled on their connection's thread under a compute lock; run 8 is the code
-before it, as in run 6. Their traced steps through 2 servers took the same time (medians 10.1
-and 9.9 ms: 6.5 span GPU, 0.4 / 0.4 server overhead per server, 0.7 network per hop, 1.3 / 1.2
-client), so the rates' gap (104.9 against 96.9) is within the bench's run-to-run spread: on 16
-cores the hand-off to the compute thread cost little (it mattered on 2 cores, see
-bench_block_inference). The goal (50%) is met in run 7 by a small margin, in one run: not a
-robust margin. Against run 6, the faster machine's CPU side is what moved the figures.
-Run 6 (2026-11-27) is the first with the direct path (blocks/direct.py: block
-calls over a TCP connection of their own instead of p2pd). Through 1 server it reaches 49.4% of
-the limit; through 2 servers 38.3%, under the issue's 50%. Per step through 2 servers (ms): 6.7
-span GPU (70% of the copy bandwidth), 1.5 server overhead (0.7 per server: input and output
-copies and casts, checks, the event sync), 2.9 network (1.4 per hop: 0.6 transport, 0.35 client
-codec, 0.4 handing the call to the server's compute thread and decoding), 2.1 client (0.9 of it
-embedding, head and argmax as on the local path). With the span's GPU time fixed, 50% needs the
-rest of a step under 2.9 ms (run 6: 5.9): each hop cost about 2 ms beside its compute. What
-would close the rest: servers that pass the hidden state on to the next server themselves
-(Petals' push), saving a round trip through the client per hop.
-Run 5, 2 servers, per step (ms): 6.6 span GPU (3.3 per server: 72% of the copy bandwidth),
-1.1 server overhead (copies, checks, Python), 5.3 RPC (p2pd and hivemind's asyncio both ways,
-2.6 per hop; an empty RPC takes 0.6 back to back, 1.0 after 3 ms idle), 1.6 client (embedding,
-head, argmax, Python). Greedy tokens: through servers = local static-graph path, 128/128; vs HF
-generate in bf16, 5/128 (random weights: nearly flat logits, and bf16 kernels that differ in
-summation order); in float32 on the GPU, the static-cache path and HF generate agree 32/32 and
-the first logits to 1.4e-5 relative.
+Latest figures (one H100 80GB HBM3, 16 CPU cores; 8B shape, bf16, batch 1, 128 new tokens):
+117.4 steps/s through 1 server (56% of the limit) and 104.9 through 2 (50.3%); the local
+static-graph path 133.9 (64%). The next run on the same machine made 96.9 through 2 servers
+(46.5%): the goal is at the edge of the run-to-run spread, and the CPU side (Python, the call)
+differs between machines (HF generate runs at 24 to 51 steps/s on the same GPU). Earlier runs
+are in CHANGELOG.md.
+
+Where a step through 2 servers goes (about 10 ms): 6.5 span GPU (about 70% of the copy
+bandwidth), 0.4 server overhead per server (input and output copies and casts, checks, the event
+sync), 0.7 network per hop, 1.2 to 1.3 client (embedding, head, argmax, Python). With the span's
+GPU time fixed, 50% needs the rest of a step under about 3 ms. What would close more of it: servers
+that pass the hidden state on to the next server themselves (Petals' push), saving a round trip
+through the client per hop.
+
+Exactness: greedy tokens through servers equal the local static-graph path's, 128/128; against
+HF generate in bf16 they agree on few tokens (random weights give nearly flat logits, and bf16
+kernels differ in summation order); in float32 on the GPU the static-cache path and HF generate
+agree 32/32 and the first logits to 1.4e-5 relative.
 
     python bench/bench_block_gpu.py                  # on a GPU machine: the 8B shape
     python bench/bench_block_gpu.py --preset tiny    # a CPU smoke run of the same code paths
@@ -88,7 +66,7 @@ from bench_block_inference import stop
 from bench_results import write_results
 
 REPO = Path(__file__).resolve().parents[1]
-GOAL_FRACTION = 0.5  # of the bandwidth limit, through 2 servers (issue 21)
+GOAL_FRACTION = 0.5  # of the bandwidth limit, through 2 servers
 SPEC_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s, SXM datasheets
 PRESETS = {
     # Llama-3-8B's shape

@@ -3,7 +3,7 @@ gradient scaled by -10, under `averaging.aggregation: mean` and `centeredClip`.
 
 Anchor: BTARD (Gorbunov et al. 2022), which decentralizes CenteredClip (Karimireddy, He and
 Jaggi 2021): with a hostile minority in every group, CenteredClip training reaches the honest
-model's quality, where the mean is steered away by a single peer. The target (issue 18):
+model's quality, where the mean is steered away by a single peer. The target:
 with `mean` the model fails to reach 90% held-out accuracy; with `centeredClip` it reaches 90%
 as with 4 honest peers; without an attacker, `centeredClip` costs at most 10% more steps.
 

@@ -5,7 +5,7 @@ peers: bench_beam_search.py).
 Anchor: Learning@home, Figure 4 (top): with an exponential delay per request of mean 0 to 200 ms,
 asynchronous DMoE training keeps nearly the same throughput while model-parallel training
 collapses; section 4.1: finding the top-4 experts (batch 64) took 317 +- 58 ms over 100 DHT nodes
-in the cloud. Goals here (issue 21): DMoE keeps at least 0.8 of its zero-delay samples/s at
+in the cloud. Goals here: DMoE keeps at least 0.8 of its zero-delay samples/s at
 200 ms, and at zero delay runs at least as fast as the model-parallel baseline.
 
 Setup, at small scale on this machine: 2 expert servers (`hivekeeper run expert-server`) hold the

@@ -2,7 +2,7 @@
 checkpoint (a local Hugging Face folder built once per run, float32), the same spans on the
 same loopback, greedy decoding through 1 server and through 2. Both systems' servers run at
 once; generations alternate between Petals' client, hivekeeper's client over the direct path
-and hivekeeper's client through p2pd (the path every call took before the direct one), in an
+and hivekeeper's client through p2pd (the path calls take where the direct one is out of reach), in an
 order that rotates each round, so each sees the machine's load of the same minutes.
 
 Reported per configuration (medians over the rounds): decode tokens/s (the tokens after the
@@ -15,7 +15,7 @@ compute alone for the prompt and for a token, with the ratios to Petals it would
 nothing else took any time (both systems run the same blocks on the same cores, so the compute
 is a floor neither can go under).
 
-Anchors: Petals 2.2 itself, measured here; and the issue's per-hop overhead through p2pd,
+Anchors: Petals 2.2 itself, measured here; and the per-hop overhead of a call through p2pd,
 3.9 ms for a one-token step on loopback (2.7 ms of it the RPC through p2pd).
 
 Petals runs in its own venv (.petals-venv/, ignored by git), made on first use: torch 2.13.0

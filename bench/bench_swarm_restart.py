@@ -4,8 +4,8 @@ the rounds before and after the kill, how many held every averaging peer, and ho
 after its restart the trainer was back in every round.
 
 Anchor: the undisturbed run (every round holds all 4 averaging peers, DeDLOC's synchronous
-training), and issue 20's figure for the code before it: after the same kills only 19% of the
-later rounds held all 4 peers (94% undisturbed), so most steps averaged a subset of the swarm.
+training): after the kills, the later rounds should hold all 4 peers as often, rather than most
+steps averaging a subset of the swarm.
 Prints a table and writes bench/results/swarm_restart.json.
 
     .venv/bin/python bench/bench_swarm_restart.py [--steps 60] [--kill-at 15]

@@ -5,16 +5,16 @@ the small language model of `examples/swarm-lm.yaml`, each run for a fixed numbe
 interleaved, on the same machine.
 
 Reports per run: achieved global steps/s (first step to last), the plans' median prediction and
-their ratio (efficiency; issue 20's goal: 0.8 to 1.2), averaging round durations (median and
+their ratio (efficiency; the goal: 0.8 to 1.2), averaging round durations (median and
 p90 of the rounds the monitor saw, one a second at most; goal on loopback: the demo's at or below
 0.5 s), collaboration samples/s, and where the plan says a step's time goes.
 
-Anchors: the plan's own prediction (efficiency), the previous code run side by side (issue 20:
-the demo's step rate at least 2x, its rounds 2.5 s before), and the physical limit of this
+Anchors: the plan's own prediction (efficiency), another revision run side by side
+(`--baseline`), and the physical limit of this
 machine: trainers share its cores, so 3 trainers can at best make min(3, cores) x one trainer's
 samples/s. Prints a table and writes bench/results/swarm_throughput.json.
 
-    .venv/bin/python bench/bench_swarm_throughput.py [--repeats 2] [--baseline 801a85a]
+    .venv/bin/python bench/bench_swarm_throughput.py [--repeats 2] [--baseline REV]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from bench_results import write_results
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {  # name: manifest, steps, overrides of its spec
     # the balancer renews its plan (and prediction) every 10 s: at 2-3 steps/s a 40-step run
-    # lasted about one renewal, and its median prediction was the first plan's, from start-up steps
+    # lasts about one renewal, and its median prediction is the first plan's, from start-up steps
     "demo": ("examples/swarm-digits.yaml", 80, {}),
     # alone, a trainer steps many times a second: enough steps for the monitor to see a rate
     "demo, 1 trainer": ("examples/swarm-digits.yaml", 400, {"trainers": {"replicas": 1}, "auxiliary": {"replicas": 0}}),

@@ -3,8 +3,8 @@
 processes on loopback, the server handing each request to a one-thread compute pool as the
 block server does, through:
 
-- p2pd, unary (every block call until issue 21), and p2pd with one bidirectional stream kept
-  open (hivemind's own streaming, what Petals' inference sessions use);
+- p2pd, unary (block calls where the direct path is out of reach), and p2pd with one
+  bidirectional stream kept open (hivemind's own streaming, what Petals' inference sessions use);
 - gRPC (grpcio, which hivekeeper already depends on): unary calls and one bidirectional stream,
   on one kept HTTP/2 connection;
 - the direct path as built (hivekeeper.blocks.direct: length-prefixed frames on a kept TCP
@@ -15,7 +15,7 @@ memory-bound compute (a matrix-vector product over 235 MB of float32, as an 8-bl
 one-token step): after that, the reply's code paths run with cold caches, which is what a real
 hop pays. The server times each call's compute and sends that along; the client subtracts it.
 
-Anchor: the issue's per-hop overhead through p2pd on loopback, 2.7 ms of RPC (3.9 ms in all).
+Anchor: the per-hop overhead of a one-token step through p2pd on loopback, 2.7 ms of RPC (3.9 ms in all).
 Prints a table and writes bench/results/transport.json.
 
     .venv/bin/python bench/bench_transport.py [--calls 200]

@@ -1,6 +1,6 @@
 """A Kubernetes API for the operator's tests: kmock's `KubernetesEmulator` with the small shim the operator
-needs (DESIGN.md, "Known facts about the Kubernetes test setup here"), served on 127.0.0.1 from
-a thread of its own, with a kubeconfig that both kopf and the official client read.
+needs (below), served on 127.0.0.1 from a thread of its own, with a kubeconfig that both kopf and
+the official client read.
 
 The shim does what a kube-apiserver does and the emulator does not:
 - on create: fill metadata.namespace, uid, resourceVersion, generation, creationTimestamp;

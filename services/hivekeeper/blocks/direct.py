@@ -3,17 +3,16 @@ clients that can reach it.
 
 Through p2pd, every call crosses four processes (client, its daemon, the server's daemon, the
 server) and opens a libp2p stream: on loopback that costs a one-token inference step about
-2.7 ms (issue 21). A server therefore also listens on a TCP port of its own and announces it in
-its DHT record (`ServerInfo.direct`, protocol 1.1). A client that reaches that port keeps a
-connection to it and sends each call as one frame; a client that cannot (NAT, a firewall, an
-address of another network) goes through p2pd as before: p2pd stays what reaches peers behind
-NAT and relays.
+2.7 ms. A server therefore also listens on a TCP port of its own and announces it in its DHT
+record (`ServerInfo.direct`, protocol 1.1). A client that reaches that port keeps a connection
+to it and sends each call as one frame; a client that cannot (NAT, a firewall, an address of
+another network) goes through p2pd, which is what reaches peers behind NAT and relays.
 
-Why frames on a plain socket, not gRPC: measured on this machine, a one-token round trip with
-the server's compute handed to its compute thread (bench/bench_transport.py) costs about ten
+Why frames on a plain socket, not gRPC: on a 2-core machine, a one-token round trip with the
+server's compute handed to its compute thread (bench/bench_transport.py) costs about ten
 times less than a gRPC unary call or stream on one kept HTTP/2 connection, and gRPC's share
 grows after a real step's compute has pushed the code paths out of the caches (about 1.7 ms
-per hop through gRPC in bench_petals' first runs). The protocol needs none of gRPC's features:
+per hop through gRPC, measured with bench_petals). The protocol needs none of gRPC's features:
 one call at a time per connection, a client-side timeout, messages that are already protobuf.
 
 The wire: on connect the server sends a frame holding MAGIC and its peer ID, which the client

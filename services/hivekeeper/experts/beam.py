@@ -12,14 +12,13 @@ union of the prefixes the batch needs: same result, a handful of requests a batc
 the whole batch at once (numpy: each beam prefix's announced coordinates in one padded table),
 with the order a sequential search over Python tuples gives, ties included.
 
-Where the time went (32x32 grid, batch 64, top-4, warm, before this design): not the DHT (every
-prefix came from the node's cache) but decoding: hivemind deserializes each cached prefix's
-subkeys on every get (a msgpack dumps and loads per subkey), and each record's peer id was
-parsed anew (`PeerID.from_base58` re-encodes base58: ~3/4 of the time), twice a batch (a batch
-is sent to the DHT process in two parts). `fetch_from_dht` now reads prefixes that are fresh in
-the node's storage or cache directly, as hivemind's get would (expired subkeys dropped, the cache
-refresh scheduled) and decodes each record's bytes once; only the others go through the DHT,
-one lookup per prefix shared by concurrent searches."""
+Where a warm search's time goes is decoding, not the DHT (every prefix comes from the node's
+cache): hivemind's get deserializes each cached prefix's subkeys anew (a msgpack dumps and loads
+per subkey), and parsing a record's peer id (`PeerID.from_base58` re-encodes base58) costs more
+still. So `fetch_from_dht` reads prefixes that are fresh in the node's storage or cache
+directly, as hivemind's get would (expired subkeys dropped, the cache refresh scheduled), and
+decodes each record's bytes once; only the others go through the DHT, one lookup per prefix
+shared by concurrent searches."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ together (Learning@home 3.2: a server batches the requests of many trainers).
 
 Why not hivemind's Server: it passes every request from a connection-handler process to a
 task-pool process to the runtime and back, each hop a pickled tensor in shared memory; on a
-small machine those hops, not the experts, were most of a request's time and CPU."""
+small machine those hops, not the experts, are most of a request's time and CPU."""
 
 from __future__ import annotations
 

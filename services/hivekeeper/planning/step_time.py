@@ -3,8 +3,7 @@ not scale with the vector.
 
 DeDLOC's LP (`averaging_lp`) maximizes min(compute rate, aggregation rate): it assumes a step's
 computing and averaging overlap fully and that moving the vector is all an averaging round
-costs. On a small model the rest dominates (in the demo, before the rounds were reworked, the
-plan said 0.98 steps/s and the swarm made 0.37): a peer first learns that the collaboration has
+costs. On a small model the rest dominates: a peer first learns that the collaboration has
 its batch, the round waits for the group and for its last member, the all-reduce pays round
 trips on top of its bytes, and the optimizer step follows. Peers measure those parts
 (`planning/step_clock.py`); this module adds them to the LP's figures:
@@ -20,17 +19,17 @@ time (of the gradients), and fixed = lag + wait + round trips + after, each the 
 
 - lag: accumulation beyond B / S, the time until a peer sees that the global batch is complete;
 - wait: from a peer's trigger to its all-reduce (the group forming, groupmates' last batches);
-- round trips: the all-reduce's time beyond its bytes at the measured rates (with the parameter
-  round that follows the gradient round on its group, `averageStateEvery`: the LP's vector is the
-  gradients', and a second vector in the LP made the plans that leave one trainer computing alone,
-  and need no round, look faster; every role switch then cost a state reload, and on the demo
-  all three trainers once sat switched out for 20 s);
+- round trips: the all-reduce's time beyond its bytes at the measured rates, with the parameter
+  round that follows the gradient round on its group (`averageStateEvery`). The LP's vector is
+  the gradients' alone: counting the parameters as a second vector makes the plans that leave
+  one trainer computing alone, and need no round, look faster, and every role switch costs a
+  state reload;
 - after: the rest of the step (the optimizer step).
 
 Roles. The LP's objective, min(compute rate, aggregation rate), assumes a step's compute and
-averaging overlap, and among its ties it may take a computing peer out to aggregate only: on the
-demo it turned two of three trainers into pure aggregators now and then, so steps waited for
-fewer samples, and every switch back cost a state reload. A step without delayed updates does
+averaging overlap, and among its ties it may take a computing peer out to aggregate only (on the
+demo, two of three trainers), so that steps wait for fewer samples, and every switch back costs
+a state reload. A step without delayed updates does
 one after the other, so once the fixed costs are measured `plan_whole_steps` keeps the LP's
 plan only if it makes clearly more whole steps (by the balancer's `drift`) than the plan in which
 every peer with samples computes (shares re-solved for those roles); the LP itself is unchanged.

@@ -24,7 +24,7 @@ def common(parser: argparse.ArgumentParser) -> None:
 
 
 def peer_access(parser: argparse.ArgumentParser) -> None:
-    """How a DHT peer gets in where volunteers are admitted (issue 7): through relays, with tokens."""
+    """How a DHT peer gets in where volunteers are admitted: through relays, with tokens."""
     parser.add_argument("--client-mode", action="store_true",
                         help="accept no inbound connections (a peer nobody can dial, not even through a relay)")
     parser.add_argument("--relay", nargs="*", default=[], metavar="MADDR",

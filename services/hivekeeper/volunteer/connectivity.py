@@ -91,7 +91,7 @@ async def _daemon(P2P, host: str, port: int, **options: Any) -> AsyncIterator[An
         await p2p.shutdown()
 
 
-DIAL_ATTEMPTS = 3  # a first dial through a NodePort sometimes fails while the swarm is up (seen in the cluster tier)
+DIAL_ATTEMPTS = 3  # a first dial through a NodePort can fail while the swarm is up
 DIAL_RETRY_SECONDS = 1.0
 
 
