@@ -39,7 +39,7 @@ BLOCKS = {  # over examples/blockserver.yaml: 6 blocks, the cluster's one server
         "servers": {"replicas": 1, "spanLength": 3},
         "balancer": {"enabled": False},  # nothing to balance: each server holds what the other lacks
         # hidden states of 2 KiB: the volunteer's hop moves ~200 KiB each way, beyond a relayed
-        # connection's 128 KiB (README, known limits), so a relay-only path would be cut
+        # connection's 128 KiB (docs/limits.md, Volunteers), so a relay-only path would be cut
         "model": {"tiny": {"hiddenSize": 512, "numHeads": 8}},
         "client": {"newTokens": NEW_TOKENS},
         "volunteers": ACCESS,
