@@ -32,6 +32,7 @@ import yaml
 pytest.importorskip("kopf", reason="the operator extra is not installed (pip install -e '.[operator]')")
 
 from conftest import EXAMPLES, REPO, wait_for  # noqa: E402
+import hivekeeper  # noqa: E402
 from hivekeeper.kinds import runtime  # noqa: E402
 from hivekeeper.local.supervisor import _is_ready as is_ready, _kill_group as kill_group  # noqa: E402
 from hivekeeper.spec import load_manifest  # noqa: E402
@@ -147,7 +148,7 @@ def test_the_entrypoint_and_the_operator_command_start(image):
     executable = str(image.bin / entrypoint[0])
     result = image.run(executable, *default_command)  # `docker run IMAGE`
     assert result.returncode == 0 and "run" in result.stdout, result.stderr
-    version = re.search(r'^version = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+    version = hivekeeper.__version__  # pyproject.toml reads it from there (tests/test_release.py)
     result = image.run(executable, "--version")
     assert result.stdout.strip() == f"hivekeeper {version}", result.stderr
     chart = (REPO / "charts" / "hivekeeper" / "templates" / "deployment.yaml").read_text()
