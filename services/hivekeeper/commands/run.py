@@ -1,6 +1,7 @@
 """`hivekeeper run ROLE ...`: one service process (what every pod and every local child runs).
 The roles are every kind's (`hivekeeper.kinds`) and the two that let volunteers in; a role's
-module is imported only when it runs (roles pull in torch and hivemind)."""
+module is imported only when it runs (roles pull in torch and hivemind). Every process a role
+starts dies with it (`hivekeeper.runtime.lifeline`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import argparse
 import importlib
 
 from hivekeeper.kinds import KIND_MODULES, runtime
-from hivekeeper.runtime import arguments
+from hivekeeper.runtime import arguments, lifeline
 from hivekeeper.runtime.arguments import RoleEntry
 
 ACCESS_ROLES = {
@@ -36,4 +37,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_role(args: argparse.Namespace) -> int:
+    lifeline.install()  # before the role forks anything; in role processes only
     return importlib.import_module(args.role_module).run(args)

@@ -16,14 +16,17 @@ first, as soon as it shows up (its open streams with it: a client then retries).
 
 `DHT` starts its P2P daemon inside its own process through `P2P.create`, which takes no extra
 daemon flags and no P2P subclass, so the flag goes in through `P2P._make_process_args`, patched
-for the whole process (and the DHT processes it forks) when a caller asks for it."""
+for the whole process (and the DHT processes it forks) when a caller asks for it. A role's p2pd
+starts the same way through an exec wrapper that sets its parent-death signal
+(`die_with_parent`, see hivekeeper.runtime.lifeline)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from hivemind.p2p import P2P
 
@@ -31,7 +34,7 @@ from hivekeeper.hivemind_ext import check_hivemind_version
 
 check_hivemind_version(__name__)
 
-__all__ = ["use_static_relays", "keep_direct_connections"]
+__all__ = ["use_static_relays", "keep_direct_connections", "die_with_parent"]
 log = logging.getLogger("hivekeeper.p2pd")
 
 
@@ -46,17 +49,38 @@ def use_static_relays() -> None:
     _patch("static_relays", change)
 
 
-def _patch(name: str, change: Callable[[dict[str, Any]], None]) -> None:
-    """Wrap P2P._make_process_args with `change` to its flags, once per name (the names
-    applied ride on the wrapper, so that a reload of this module does not wrap twice)."""
+def die_with_parent() -> None:
+    """Start every p2pd this process (or a process it forks) starts from its main thread through
+    lifeline's exec wrapper, which sets its parent-death signal to SIGKILL and execs p2pd in the
+    same process (hivemind stops it by that pid): a DHT process that dies, however it dies, takes
+    its p2pd with it. The kernel sends the signal when the thread that started p2pd exits, so a
+    p2pd started from another thread (one that may end before its process) starts as before.
+    Idempotent."""
+    from hivekeeper.runtime.lifeline import exec_prefix
+
+    prefix = exec_prefix()
+
+    def wrap(proc_args: list[str]) -> list[str]:
+        return [*prefix, *proc_args] if threading.current_thread() is threading.main_thread() else proc_args
+
+    _patch("parent_death", wrap=wrap)
+
+
+def _patch(name: str, change: Optional[Callable[[dict[str, Any]], None]] = None,
+           wrap: Optional[Callable[[list[str]], list[str]]] = None) -> None:
+    """Wrap P2P._make_process_args with `change` to its flags and `wrap` of the command line it
+    makes, once per name (the names applied ride on the wrapper, so that a reload of this module
+    does not wrap twice)."""
     original = P2P._make_process_args
     applied = getattr(original, "hivekeeper_patches", frozenset())
     if name in applied:
         return
 
     def make_process_args(*args, **kwargs):
-        change(kwargs)
-        return original(*args, **kwargs)
+        if change is not None:
+            change(kwargs)
+        proc_args = original(*args, **kwargs)
+        return wrap(proc_args) if wrap is not None else proc_args
 
     make_process_args.hivekeeper_patches = applied | {name}  # type: ignore[attr-defined]
     P2P._make_process_args = staticmethod(make_process_args)

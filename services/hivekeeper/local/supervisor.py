@@ -1,6 +1,7 @@
 """Supervised child processes for `hivekeeper up`: start each role, restart a crashed one with
 exponential backoff, and stop them all (SIGTERM, then SIGKILL of the whole process group, which
-takes any p2pd a child left behind) within a deadline."""
+takes any p2pd a child left behind) within a deadline. Each child is told the supervisor's pid
+(lifeline.SUPERVISOR_ENV), so that it stops by itself if the supervisor is killed."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from hivekeeper.runtime.lifeline import STOP_GRACE_SECONDS, SUPERVISOR_ENV
 from hivekeeper.topology import Role
 
 log = logging.getLogger("hivekeeper.supervisor")
@@ -79,7 +81,7 @@ class Supervisor:
             # and killpg() reaches the child's p2pd too.
             child.process = subprocess.Popen(
                 [*self.command, *child.role.args], stdout=log_file, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=self.env, start_new_session=True,
+                stdin=subprocess.DEVNULL, env={**self.env, SUPERVISOR_ENV: str(os.getpid())}, start_new_session=True,
             )
         child.started_at = time.monotonic()
 
@@ -115,7 +117,7 @@ class Supervisor:
     def restarts(self) -> int:
         return sum(child.restarts for child in self.children)
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = STOP_GRACE_SECONDS) -> None:
         """SIGTERM everyone, wait up to `timeout`, then SIGKILL the process groups: whatever
         the load, everything is gone well inside the 10 s a user waits after Ctrl-C."""
         running = [c.process for c in self.children if c.process is not None and c.process.poll() is None]

@@ -1,0 +1,168 @@
+"""A role killed with SIGKILL takes every process it started with it (the processes hivemind
+forks: its DHT's, its averagers'; each DHT's p2pd; torch's shared-memory manager), and
+`hivekeeper up` killed with SIGKILL takes every role of its run and theirs: one run of each kind,
+with every role the kind has (the Swarm's with the relay and the token service), each killed in
+turn, then the runner.
+
+While a role is killed the runner is stopped (SIGSTOP): its clean-up of a dead child's process
+group, which kills what the child left there, must not be what removes them. Processes are named
+by pid and start time, recorded before the kill; the runner restarts each killed role (with the
+same name, ports and keys), and the next kill waits for nothing else."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from conftest import parent_pid, wait_for, write_manifest
+from helpers.processes import Proc, kill_all, proc, tree, wait_gone
+from hivekeeper.local.network import free_port
+from hivekeeper.runtime.lifeline import POLL_SECONDS, STOP_GRACE_SECONDS
+from test_swarm_local import http_get, ports, processes_of
+
+READY_SECONDS = 240.0  # a role (re)started on a loaded 2-core host: torch, hivemind, the DHT
+# a killed role's forks and p2pd go at once; torch's shared-memory manager (a session of its own)
+# 2 s after its last client
+KILL_SECONDS = 15.0
+# each role sees the runner gone, stops, and is killed STOP_GRACE_SECONDS later; then as above
+RUNNER_SECONDS = POLL_SECONDS + STOP_GRACE_SECONDS + KILL_SECONDS
+
+
+def swarm() -> tuple[str, dict[str, Any], list[str]]:
+    relay, gateway = free_port(), free_port()
+    while gateway == relay:
+        gateway = free_port()
+    changes = {"spec": {"trainers": {"replicas": 1}, "auxiliary": {"replicas": 1},
+                        "stopping": {"targetSteps": 1_000_000, "targetMetric": None},
+                        "volunteers": {"relays": 1, "relayPort": relay, "gatewayPort": gateway}}}
+    # The trainer's and the auxiliary's replacements report under their names while the killed
+    # ones' reports live on (40 s): the balancer exits on the duplicates meanwhile, and is
+    # restarted; it is killed last.
+    order = ["trainer-0", "auxiliary-0", "monitor-0", "relay-0", "auth-0", "backbone-0", "balancer-0"]
+    return "swarm-digits-volunteers.yaml", changes, order
+
+
+def blockserver() -> tuple[str, dict[str, Any], list[str]]:
+    # One server holding half the model: the client waits for a route to the rest, and the run,
+    # which ends when the client is done, goes on.
+    changes = {"spec": {"servers": {"replicas": 1, "spanLength": 3}}}
+    return "blockserver.yaml", changes, ["block-client-0", "block-server-0", "block-balancer-0", "backbone-blocks-0"]
+
+
+def expertpool() -> tuple[str, dict[str, Any], list[str]]:
+    changes = {"metadata": {"name": "moe-kill"}, "spec": {
+        "grid": {"dimensions": [2, 2]}, "expert": {"hiddenSize": 16}, "servers": {"replicas": 1},
+        "trainers": {"batchSize": 16, "batchesInFlight": 1, "dmoe": {"layers": 1, "kBest": 2}},
+        "stopping": {"targetSteps": 1_000_000, "targetMetric": None}}}
+    return "expertpool.yaml", changes, ["expert-server-0", "expert-trainer-0", "backbone-experts-0"]
+
+
+def children(pid: int) -> list[int]:
+    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and parent_pid(int(e.name)) == pid]
+
+
+def role_process(runner: subprocess.Popen, name: str) -> Optional[Proc]:
+    """The runner's child that runs role `name` (`hivekeeper run COMPONENT --index I ...`)."""
+    component, index = name.rsplit("-", 1)
+    for pid in children(runner.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"\0run\0{component}\0".encode() in cmdline and f"\0--index\0{index}\0".encode() in cmdline:
+            return proc(pid)
+    return None
+
+
+class Run:
+    """`hivekeeper up` of one kind's manifest."""
+
+    def __init__(self, tmp_path: Path, base: str, changes: dict[str, Any]):
+        self.run_dir = tmp_path / "run"
+        self.log = tmp_path / "up.log"
+        manifest = write_manifest(tmp_path, changes, base=base)
+        with open(self.log, "wb") as log:
+            self.runner = subprocess.Popen([sys.executable, "-m", "hivekeeper", "up", str(manifest), "--run-dir",
+                                            str(self.run_dir)], stdout=log, stderr=subprocess.STDOUT)
+        self.seen: set[Proc] = set()  # every process of the run seen, for the clean-up
+
+    def ready(self, name: str) -> Optional[list[Proc]]:
+        """Role `name`'s process and all below it, once it is ready and (but the token service,
+        which joins no DHT) runs its p2pd."""
+        main = role_process(self.runner, name)
+        if main is None or http_get(ports(self.run_dir).get(name, 0), "/readyz") != "ready\n":
+            return None
+        procs = tree(main.pid)
+        self.seen.update(procs)
+        if not name.startswith("auth-") and not any(p.comm == "p2pd" for p in procs):
+            return None
+        return procs
+
+    def stop_runner_when(self, condition, what: str):
+        """Stops the runner (SIGSTOP) at a moment `condition()` holds, checked again once it is
+        stopped (a role may exit by itself meanwhile); returns its value. The runner stays stopped."""
+        for _ in range(5):
+            wait_for(condition, READY_SECONDS, what)
+            os.kill(self.runner.pid, signal.SIGSTOP)
+            value = condition()
+            if value:
+                return value
+            os.kill(self.runner.pid, signal.SIGCONT)
+        raise AssertionError(f"{what}: never so with the runner stopped")
+
+    def kill_role(self, name: str) -> list[Proc]:
+        """SIGKILL role `name`, ready, with the runner stopped; what of it is left after KILL_SECONDS."""
+        procs = self.stop_runner_when(lambda: self.ready(name), f"{name} ready")
+        try:
+            os.kill(procs[0].pid, signal.SIGKILL)
+            return wait_gone(procs, KILL_SECONDS)
+        finally:
+            os.kill(self.runner.pid, signal.SIGCONT)
+
+    def kill_runner(self, names: list[str]) -> list[Proc]:
+        """SIGKILL the runner once every role is ready; what of the run is left after RUNNER_SECONDS."""
+        self.stop_runner_when(lambda: all(self.ready(name) for name in names), "every role ready")
+        procs = [p for child in children(self.runner.pid) for p in tree(child)]  # nothing starts now
+        self.seen.update(procs)
+        os.kill(self.runner.pid, signal.SIGKILL)
+        self.runner.wait(10)
+        return wait_gone(procs, RUNNER_SECONDS)
+
+    def clean_up(self) -> None:
+        """Whatever happened: the runner and every process of the run are killed."""
+        if self.runner.poll() is None:
+            os.kill(self.runner.pid, signal.SIGCONT)
+            self.runner.kill()
+            self.runner.wait(30)
+        kill_all([*self.seen, *(p for pid in processes_of(self.run_dir) for p in tree(pid))])
+
+    def print_logs(self) -> None:
+        """The runner's output and the end of every role's log (pytest shows them if the test fails)."""
+        for path in [self.log, *sorted((self.run_dir / "logs").glob("*.log"))]:
+            print(f"--- {path.name}:", path.read_text(errors="replace")[-2000:] if path.exists() else "(none)")
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(900)  # a hang guard: about 2 minutes a kind on an idle 2-core host
+@pytest.mark.parametrize("kind", [swarm, blockserver, expertpool], ids=["Swarm", "BlockServer", "ExpertPool"])
+def test_killed_roles_and_runner_leave_nothing(kind, tmp_path, no_leaked_p2pd):
+    base, changes, order = kind()
+    run = Run(tmp_path, base, changes)
+    try:
+        wait_for(lambda: ports(run.run_dir), 60, "the run laid out")
+        assert set(ports(run.run_dir)) == set(order), "every role of the kind is killed"
+        for name in order:
+            left = run.kill_role(name)
+            assert not left, f"{name} killed: still running {left}"
+        left = run.kill_runner(order)
+        assert not left, f"runner killed: still running {left}"
+        assert not processes_of(run.run_dir)
+    finally:
+        run.clean_up()
+        run.print_logs()
