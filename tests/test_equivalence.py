@@ -17,16 +17,22 @@ equivalence needed a fix, `reset_step_counters`, found by an earlier form of thi
 hivemind alone does not keep replicas in lockstep: a parameter average that finished after the
 next optimizer step replaced that step's update, a peer whose round failed stepped on its own
 gradients, a peer that did not get back part of the average kept its own values there and
-called the round a success (seen once in CI: 46% of the vector), and a peer that loaded a state
-one step behind was renumbered as current; and its parameter rounds (averageStateEvery, every
-step by default), matched apart from the gradient rounds under keys that name no step, grouped
-replicas a step apart now and then (this test, with them, failed 3 runs of 3). An earlier form of this test therefore checked only
-the steps that happened to start in sync (on one run of the old code, the first two steps were
-off by 4e-2); `hivemind_ext/optimizer.py` closes each of those gaps, and the test now asserts
-every step, with the parameters averaged on each gradient round's group
-(`hivemind_ext/state_round.py`). A member that got only part of the average back says so ("missingElements") and
-skips the update; its own update is not checked, the others' are, and the next step checks that
-it took their state (or, where every member lost a part, that all skipped it alike).
+called the round a success, a peer that loaded a state one step behind was renumbered as
+current, a peer the collaboration had stepped past "caught up" into the next round with
+gradients of its old parameters, and its parameter rounds, matched apart from the gradient
+rounds under keys that name no step, grouped replicas a step apart. `hivemind_ext/optimizer.py`
+closes each of those gaps, and the parameters are averaged on each gradient round's group
+(`hivemind_ext/state_round.py`). A member that got only part of the average back says so
+("missingElements") and skips the update; its own update is not checked, the others' are, and
+the next step checks that it took their state (or, where every member lost a part, that all
+skipped it alike).
+
+The replica check: every member gathers a fingerprint of its parameters with its round, and a
+member whose replica differs from the one most members hold is found out by the group
+(outcome "resync"): its batches go in with weight 0 (the test leaves them out of the step's
+average), it skips the update and reloads the state. The test checks that such a member really
+started elsewhere (far above rounding) and that every other member started from the same
+parameters.
 
 Tolerance: both sides compute the same float32 math, but sum gradients in a different order
 (per peer, then across peers in hivemind's all-reduce, which splits the vector into parts):
@@ -121,17 +127,16 @@ def rounds_of(trace: list[dict]) -> list[dict]:
 
 
 def global_steps(traces: list[list[dict]]) -> list[list[dict]]:
-    """Rounds that peers ran together, each as the list of its members' rounds. The k-th
-    round that a set of peers ran together is the same round in each member's trace. (Not
-    hivemind's epoch counter: a peer that loads state may 'catch up' its counter to the global
-    epoch, so the counters of peers in one all-reduce can differ.)"""
+    """Rounds that peers ran together, each as the list of its members' rounds: those that name
+    one group id (every member of an all-reduce records its group's). A round without one (a
+    peer that stepped alone, or failed) is its own. (Not hivemind's epoch counter: a peer that
+    loads state may 'catch up' its counter to the global epoch, so the counters of peers in one
+    all-reduce can differ.)"""
     groups: dict[tuple, list] = {}
-    for trace in traces:
-        seen: dict[tuple, int] = {}
-        for peer_round in rounds_of(trace):
-            members = tuple(peer_round["record"]["members"])
-            seen[members] = seen.get(members, 0) + 1
-            groups.setdefault((members, seen[members]), []).append(peer_round)
+    for index, trace in enumerate(traces):
+        for number, peer_round in enumerate(rounds_of(trace)):
+            group = peer_round["record"].get("group")
+            groups.setdefault(("group", group) if group else ("alone", index, number), []).append(peer_round)
     return sorted(groups.values(), key=lambda group: min(r["record"]["time"] for r in group))
 
 
@@ -141,6 +146,18 @@ def partial(peer_round: dict) -> bool:
     group's state before it computes again (the next step's common starting point checks that)."""
     record = peer_round["record"]
     return record["outcome"] == "failure" and record.get("missingElements", 0) > 0 and len(record["members"]) > 1
+
+
+def resynced(peer_round: dict) -> bool:
+    """A round whose members compared fingerprints of their parameters and found this member's
+    replica apart from the group's: its gradients went in with weight 0, it stepped on nothing,
+    and it must take the group's state before it computes again."""
+    return peer_round["record"]["outcome"] == "resync"
+
+
+def diverged_in(group: list[dict]) -> set[str]:
+    """The members a round found apart from the group's replica (every member names the same)."""
+    return {peer for peer_round in group for peer in peer_round["record"].get("diverged", ())}
 
 
 def load_params(run_dir: Path, name: str) -> dict[str, torch.Tensor]:
@@ -171,11 +188,21 @@ def test_every_collaborative_step_is_a_large_batch_sgd_step(tmp_path, no_leaked_
     steps = []
     for group in global_steps(traces):
         members = group[0]["record"]["members"]
-        batches = [b for peer_round in group for b in peer_round["batches"]]
+        # Members whose replica the round found apart: their batches went in with weight 0, their
+        # own update is not checked, and the next step checks that they took the group's state.
+        diverged = diverged_in(group)
+        kept = [r for r in group if r["record"]["peer"] not in diverged]
+        batches = [b for peer_round in kept for b in peer_round["batches"]]
         # Alone, a peer steps on its own gradients: it saw nobody ("skipped"), or its all-reduce
         # failed and hivemind fell back to its local gradients ("failure").
         allowed = {"skipped", "failure"} if len(members) == 1 else {"success"}
-        assert all(r["record"]["outcome"] in allowed or partial(r) for r in group), [r["record"] for r in group]
+        assert all(r["record"]["outcome"] in allowed or partial(r) or resynced(r) for r in group), \
+            [r["record"] for r in group]
+        # A member resyncs exactly when its group named it apart (one whose own round failed says
+        # "failure" instead); none of those counts the step as a success.
+        assert {r["record"]["peer"] for r in group if resynced(r)} <= diverged, [r["record"] for r in group]
+        assert not any(r["record"]["outcome"] == "success" for r in group if r["record"]["peer"] in diverged), \
+            [r["record"] for r in group]
 
         # Each batch's gradient at the parameters it was computed at.
         grads = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
@@ -194,12 +221,15 @@ def test_every_collaborative_step_is_a_large_batch_sgd_step(tmp_path, no_leaked_
         snapshots = {b["params"] for b in batches}
         spread = max((relative_difference(params_of(s), params_of(batches[0]["params"])) for s in snapshots),
                      default=0.0)
+        # The digest invariant: a member the round found apart really started elsewhere.
+        apart = min((relative_difference(params_of(r["batches"][-1]["params"]), params_of(batches[0]["params"]))
+                     for r in group if r["record"]["peer"] in diverged and r["batches"] and batches), default=None)
 
         # Every member that took the step from theta must land on theta - lr * averaged: the
         # update of one large-batch SGD step. Its next snapshot is the step's result (or is missing
         # when the run stopped first).
         update_errors, afters = [], []
-        for peer_round in group:
+        for peer_round in kept:
             if peer_round["after"] is None or not peer_round["batches"] or averaged is None or partial(peer_round):
                 continue
             theta = params_of(peer_round["batches"][-1]["params"])
@@ -212,6 +242,7 @@ def test_every_collaborative_step_is_a_large_batch_sgd_step(tmp_path, no_leaked_
                           parameters_averaged=parameter_rounds.count("averaged"),
                           spread=spread, loss_error=loss_error, update_error=max(update_errors, default=None),
                           updates=len(update_errors), partial=sum(map(partial, group)),
+                          resynced=sum(map(resynced, group)), apart=apart,
                           replica_spread=replica_spread))
 
     report = "\n".join(
@@ -221,6 +252,7 @@ def test_every_collaborative_step_is_a_large_batch_sgd_step(tmp_path, no_leaked_
         f"{'-' if s['update_error'] is None else format(s['update_error'], '.1e')} ({s['updates']} members) "
         f"replicas-after {s['replica_spread']:.1e} parameters-averaged {s['parameters_averaged']}"
         + (f" partial {s['partial']}" if s["partial"] else "")
+        + (f" resynced {s['resynced']} (apart by {s['apart']:.1e})" if s["resynced"] else "")
         for i, s in enumerate(steps))
     print(report)
     # Every batch's loss is the loss at the parameters it was computed at.
@@ -232,20 +264,27 @@ def test_every_collaborative_step_is_a_large_batch_sgd_step(tmp_path, no_leaked_
     joined = next((i for i, s in enumerate(steps) if trainer_ids <= s["members"]), None)
     assert joined is not None, f"no step averaged every trainer\n{report}"
     complete = [s for s in steps[joined:]
-                if s["records"] == len(TRAINERS) and s["updates"] + s["partial"] == len(TRAINERS)]
+                if s["records"] == len(TRAINERS) and s["updates"] + s["partial"] + s["resynced"] == len(TRAINERS)]
     last_complete = max(i for i, s in enumerate(steps) if s in complete)
     assert len(complete) >= STEPS // 2, f"only {len(complete)} steps after every trainer joined\n{report}"
     for i, s in enumerate(steps[joined:last_complete + 1], start=joined):
         assert trainer_ids <= s["members"], f"step {i} lost a trainer\n{report}"
-        assert s["records"] == len(TRAINERS) and s["updates"] + s["partial"] == len(TRAINERS), \
+        assert s["records"] == len(TRAINERS) and s["updates"] + s["partial"] + s["resynced"] == len(TRAINERS), \
             f"step {i} incomplete\n{report}"
-        assert s["batch"] >= spec.target_batch_size, f"step {i} below the global batch\n{report}"
+        if not s["resynced"]:  # a resynced member's batches are out of the step
+            assert s["batch"] >= spec.target_batch_size, f"step {i} below the global batch\n{report}"
         assert s["spread"] < TOLERANCE, f"step {i} began from different parameters\n{report}"
         if s["partial"] == len(TRAINERS):
             continue  # every member lost a part: all skipped the step (the next one's spread checks it)
         assert s["updates"] >= 1, f"step {i}: no member got the whole average\n{report}"
         assert s["update_error"] < TOLERANCE, f"step {i} is not a large-batch SGD step\n{report}"
         assert s["replica_spread"] < TOLERANCE, f"replicas differ after step {i}\n{report}"
+    # The replica check: a member found apart had really started from other parameters (the
+    # fingerprint flagged a real difference, far above rounding), and the others had not (the
+    # spread checks above).
+    for i, s in enumerate(steps):
+        if s["apart"] is not None:
+            assert s["apart"] > TOLERANCE, f"step {i}: a member was resynced for no difference\n{report}"
     # The parameter rounds (every step, the default) ran on these steps: at every trainer of most
     # of them (a parameter round that fails keeps each replica's own parameters, equal anyway).
     averaged = [s for s in complete if s["parameters_averaged"] == len(TRAINERS)]

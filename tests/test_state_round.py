@@ -9,28 +9,48 @@ import time
 import pytest
 import torch
 
-from hivekeeper.hivemind_ext.state_round import StateRound, agreed_epoch, layout_digest
+from hivekeeper.hivemind_ext.state_round import StateEntry, StateRound, agreed_epoch, group_verdict, layout_digest
 from test_planned_averaging import own_p2pd, shut_down
 
 NODE, AUX, CLIENT = 0, 2, 1  # hivemind's AveragingMode values
 LAYOUT = "abc"
 
 
+def entry(due, layout=LAYOUT, epoch=7, print_=None):
+    """A gathered entry as a member sends it: [due epoch, layout, local epoch, fingerprint]."""
+    return [due, layout, epoch, print_ if print_ is not None else [1.0, 2.0, 3.0, 4.0, 10.0]]
+
+
 @pytest.mark.parametrize("entries, modes, expected", [
-    ([[7, LAYOUT], [7, LAYOUT]], [NODE, NODE], 7),
-    ([[7, LAYOUT], [7, LAYOUT], [None, LAYOUT]], [NODE, CLIENT, AUX], 7),  # an auxiliary names no epoch
-    ([[7, LAYOUT], [8, LAYOUT]], [NODE, NODE], None),  # a step apart: never averaged together
-    ([[7, LAYOUT], [None, LAYOUT]], [NODE, NODE], None),  # one member is out of sync or not due
-    ([[7, LAYOUT], [7, "other"]], [NODE, NODE], None),  # different parameter shapes
-    ([[7, LAYOUT], [None, LAYOUT]], [NODE, AUX], None),  # one sender: nothing to average
-    ([[7, LAYOUT], None], [NODE, NODE], None),  # a member without a state round
-    ([[7, LAYOUT], "garbage"], [NODE, NODE], None),
-    ([[7, LAYOUT], [True, LAYOUT]], [NODE, NODE], None),
-    ([[7, LAYOUT], [7.0, LAYOUT]], [NODE, NODE], None),
+    ([entry(7), entry(7)], [NODE, NODE], 7),
+    ([entry(7), entry(7), entry(None)], [NODE, CLIENT, AUX], 7),  # an auxiliary names no epoch
+    ([entry(7), entry(8)], [NODE, NODE], None),  # a step apart: never averaged together
+    ([entry(7), entry(None)], [NODE, NODE], None),  # one member is out of sync or not due
+    ([entry(7), entry(7, "other")], [NODE, NODE], None),  # different parameter shapes
+    ([entry(7), entry(None)], [NODE, AUX], None),  # one sender: nothing to average
+    ([entry(7), None], [NODE, NODE], None),  # a member without a state round
+    ([entry(7), "garbage"], [NODE, NODE], None),
+    ([entry(7), [7, LAYOUT]], [NODE, NODE], None),  # another version's entry
+    ([entry(7), entry(True)], [NODE, NODE], None),
+    ([entry(7), entry(7.0)], [NODE, NODE], None),
     ([], [], None),
 ])
 def test_members_hold_a_parameter_round_only_when_all_senders_name_one_step(entries, modes, expected):
-    assert agreed_epoch(entries, modes, LAYOUT) == expected
+    states = [StateEntry.read(e) for e in entries]
+    assert agreed_epoch(states, modes, LAYOUT, group_verdict(states, modes)) == expected
+
+
+def test_a_diverged_replica_is_left_out_and_the_others_average():
+    """Two members hold one replica, a third another one a step behind: the third is found
+    apart, sends nothing, and the two still average their parameters."""
+    same, other = [1.0, 2.0, 3.0, 4.0, 10.0], [1.5, 2.0, 3.0, 4.0, 10.0]
+    states = [StateEntry.read(e) for e in (entry(7, print_=same), entry(7, print_=same), entry(6, epoch=6, print_=other))]
+    verdict = group_verdict(states, [NODE, NODE, NODE])
+    assert verdict.diverged == {2}
+    assert agreed_epoch(states, [NODE, NODE, NODE], LAYOUT, verdict) == 7
+    # an auxiliary's stale replica is never judged
+    states = [StateEntry.read(e) for e in (entry(7, print_=same), entry(7, print_=same), entry(None, print_=other))]
+    assert group_verdict(states, [NODE, NODE, AUX]).agreed
 
 
 def test_the_layout_names_the_shapes():
@@ -40,8 +60,8 @@ def test_the_layout_names_the_shapes():
 
 def test_a_member_takes_the_average_only_from_a_complete_round_of_its_loaded_step():
     params = [torch.nn.Parameter(torch.full((4,), 1.0)), torch.nn.Parameter(torch.full((2, 2), 2.0))]
-    state = StateRound(params, due=lambda: 3)
-    assert state.entry() == [3, state.layout]
+    state = StateRound(params, due=lambda: 3, epoch=lambda: 3)
+    assert state.entry()[:3] == [3, state.layout, 3] and StateEntry.read(state.entry()).fingerprint is not None
 
     # no round ran for the loaded step (the report still names none): nothing taken
     state.load(params, epoch=3)
@@ -87,7 +107,10 @@ def test_gradient_averagers_average_parameters_on_the_gradient_rounds_group():
     """Three planned gradient averagers in one group. Round 1: two members loaded the step's
     parameters, the third loaded another step's (it would bring stale ones): the parameters are
     the mean of the two, at both, and the third takes nothing; the gradients are averaged as
-    ever. Round 2: one member is not due: no parameter round anywhere."""
+    ever. The replicas differ by noise far below the replica check's tolerance (rounding, in a
+    real swarm), so the round is visible. Round 2: one member is not due: no parameter round
+    anywhere. Round 3: the third member's replica is a real step apart: the group finds it, its
+    gradients go in with weight 0, and the two others still average their parameters."""
     import hivemind
     from hivemind.optim.grad_averager import GradientAverager
 
@@ -95,12 +118,14 @@ def test_gradient_averagers_average_parameters_on_the_gradient_rounds_group():
 
     size, epoch = 3000, 5
     due = [epoch, epoch, epoch]
+    replica = torch.randn(size, generator=torch.Generator().manual_seed(1))
     dhts, averagers, params, states, others = [], [], [], [], own_p2pd()
     try:
         for k in range(3):
             initial = [str(m) for m in dhts[0].get_visible_maddrs()] if dhts else []
             dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial))
-            params.append(torch.nn.Parameter(torch.randn(size, generator=torch.Generator().manual_seed(10 + k))))
+            noise = 1e-4 * torch.randn(size, generator=torch.Generator().manual_seed(10 + k))
+            params.append(torch.nn.Parameter(replica * (1 + noise)))
             states.append(StateRound([params[-1]], due=lambda k=k: due[k]))
             averagers.append(planned(GradientAverager)(
                 [params[-1]], dht=dhts[-1], prefix="state_round_test", start=True, target_group_size=3,
@@ -121,18 +146,35 @@ def test_gradient_averagers_average_parameters_on_the_gradient_rounds_group():
 
         assert round_trip([epoch, epoch, epoch - 1]) == ["averaged", "averaged", None]
         mean = (before[0] + before[1]) / 2
-        assert torch.allclose(params[0].detach(), mean, atol=1e-6)
-        assert torch.allclose(params[1].detach(), mean, atol=1e-6)
+        assert not torch.allclose(before[0], mean, atol=1e-6)  # the round is visible
+        assert torch.allclose(params[0].detach(), mean, atol=1e-7)
+        assert torch.allclose(params[1].detach(), mean, atol=1e-7)
         assert torch.equal(params[2].detach(), before[2])
         for averager in averagers:
             with averager.use_averaged_gradients() as (averaged,):
                 assert torch.allclose(averaged, sum(grads) / 3, atol=1e-5)
         assert [state.rounds for state in states] == [1, 1, 1]
 
+        assert all(averager.last_round.diverged == frozenset() for averager in averagers)
+
         due[1] = None
         time.sleep(0.5)
         assert round_trip([epoch, epoch, epoch]) == [None, None, None]
         assert [state.rounds for state in states] == [1, 1, 1]
+
+        due[1] = epoch
+        with torch.no_grad():
+            params[2].add_(0.05)  # a step apart
+        before = [p.detach().clone() for p in params]
+        time.sleep(0.5)
+        taken = round_trip([epoch, epoch, epoch])
+        assert taken[:2] == ["averaged", "averaged"]
+        assert torch.allclose(params[0].detach(), (before[0] + before[1]) / 2, atol=1e-7)
+        for averager in averagers:
+            with averager.use_averaged_gradients() as (averaged,):
+                assert torch.allclose(averaged, (grads[0] + grads[1]) / 2, atol=1e-5)
+        found = [averager.last_round.diverged for averager in averagers]
+        assert all(len(f) == 1 for f in found) and len(set(found)) == 1  # one member, named alike everywhere
     finally:
         shut_down(averagers, dhts, others)
 

@@ -37,7 +37,7 @@ class SwarmMetrics:
                                 "Outer steps this replica has taken (DiLoCo; merges in the other merging modes)")
         self.averaging_rounds = counter(
             "hivekeeper_averaging_rounds", "Gradient averaging rounds by outcome", "outcome")
-        for outcome in ("success", "failure", "skipped"):
+        for outcome in ("success", "failure", "skipped", "resync"):
             self.averaging_rounds.labels(outcome)
         self.parameter_rounds = counter(
             "hivekeeper_parameter_rounds", "Parameter averaging rounds (held on the gradient round's group) by outcome",
@@ -95,5 +95,9 @@ class SwarmMetrics:
         self.peers_alive = gauge("hivekeeper_peers_alive", "Peers of the collaboration seen alive in the DHT, by role",
                                  "role")
         self.state_loads = counter("hivekeeper_state_loads", "Times this peer loaded state from others")
+        self.replica_resyncs = counter(
+            "hivekeeper_replica_resyncs",
+            "Rounds in which this replica's parameters differed from its averaging group's: it dropped its "
+            "update and reloaded the state")
         self.eval_metric = gauge("hivekeeper_eval_metric", "Held-out metric of the averaged model (monitor)", "metric")
         self.checkpoints = counter("hivekeeper_checkpoints_saved", "Checkpoints the monitor saved")

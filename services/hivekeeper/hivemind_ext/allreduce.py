@@ -80,7 +80,7 @@ from hivekeeper.hivemind_ext import check_hivemind_version
 from hivekeeper.hivemind_ext.group_round import (AcknowledgingRunner, Group, abandon_on_failure, add_averages,
                                                    bandwidth_split, start_runner)
 from hivekeeper.hivemind_ext.robust import CenteredClip, robust_runner
-from hivekeeper.hivemind_ext.state_round import STATE_ROUND_SUFFIX, StateRound, agreed_epoch
+from hivekeeper.hivemind_ext.state_round import STATE_ROUND_SUFFIX, StateEntry, StateRound, agreed_epoch, group_verdict
 
 check_hivemind_version(__name__)
 
@@ -92,10 +92,10 @@ log = logging.getLogger("hivekeeper.planned_averaging")
 MIN_WINDOW_PARTS = 4
 NOTICE_TIMEOUT = 2.0  # seconds for a groupmate-began notice
 PLAN_KEY = "hivekeeper.plan"  # marks a gathered entry: {PLAN_KEY: [digest, share, group size], "gather": user data}
-STATE_KEY = "hivekeeper.state"  # the parameter round's entry beside it: [epoch or None, layout]
+STATE_KEY = "hivekeeper.state"  # the parameter round's entry beside it (`state_round.StateEntry`)
 _CLIENT, _AUX = AveragingMode.CLIENT.value, AveragingMode.AUX.value
 # fields of the shared report
-_ROUNDS, _PLANNED, _ELEMENTS, _STARTED, _FINISHED, _GROUP, _MISSING, _PLANNED_ROUNDS = range(8)
+_ROUNDS, _PLANNED, _ELEMENTS, _STARTED, _FINISHED, _GROUP, _MISSING, _PLANNED_ROUNDS, _DIVERGED, _GROUP_ID = range(10)
 
 
 def plan_digest(shares: Mapping[str, float]) -> str:
@@ -140,10 +140,25 @@ class PlannedRound:
     # peer's own values there, logs "received 99.x% results" and still reports success
     missing_elements: int = 0
     planned_rounds: int = 0  # how many of `rounds` used a plan's shares
+    # members (indices in the group's order) whose replica differed from the group's: they sent
+    # their gradients with weight 0 and reload the state (see `state_round`)
+    diverged: frozenset[int] = frozenset()
+    group_id: str = ""  # the group's id (its first 6 bytes, hex): the same at every member of the round
 
     @property
     def seconds(self) -> float:
         return self.finished - self.started
+
+
+_MASK_BITS = 52  # member indices a report's double holds exactly (groups are far smaller)
+
+
+def _mask(indices: frozenset[int]) -> float:
+    return float(sum(1 << i for i in indices if i < _MASK_BITS))
+
+
+def _members(mask: int) -> frozenset[int]:
+    return frozenset(i for i in range(_MASK_BITS) if mask >> i & 1)
 
 
 class _PlannedRunner(AcknowledgingRunner):
@@ -183,7 +198,7 @@ class PlannedAverager(DecentralizedAverager):
         self._aggregation = aggregation  # None: hivemind's weighted mean
         self.state_round = state_round  # parameters averaged on this averager's groups (see `state_round`)
         # created before super().__init__, which may fork the child: the child writes, the parent reads
-        self._report = mp.get_context("fork").Array(ctypes.c_double, 8)
+        self._report = mp.get_context("fork").Array(ctypes.c_double, _GROUP_ID + 1)
         # the scheduled time of the step whose group a groupmate has begun averaging (see `groupmate_began`)
         self._groupmate_began = mp.get_context("fork").Value(ctypes.c_double, 0.0, lock=False)
         self._formed: Optional[tuple[bytes, StepControl]] = None  # in the child: the group awaiting our trigger
@@ -225,7 +240,8 @@ class PlannedAverager(DecentralizedAverager):
         return PlannedRound(rounds=int(report[_ROUNDS]), planned=bool(report[_PLANNED]),
                             aggregated_elements=int(report[_ELEMENTS]), started=report[_STARTED],
                             finished=report[_FINISHED], group_size=int(report[_GROUP]),
-                            missing_elements=int(report[_MISSING]), planned_rounds=int(report[_PLANNED_ROUNDS]))
+                            missing_elements=int(report[_MISSING]), planned_rounds=int(report[_PLANNED_ROUNDS]),
+                            diverged=_members(int(report[_DIVERGED])), group_id=f"{int(report[_GROUP_ID]):012x}")
 
     def step(self, gather: Any = None, *args: Any, **kwargs: Any):
         """hivemind's step; the gathered data carries this peer's plan entry while the plan is
@@ -324,6 +340,16 @@ class PlannedAverager(DecentralizedAverager):
             self._announce_start(group)
             gathered = [_unwrap(data) for data in group.gathered]
             user_data = [entry.user for entry in gathered]
+            states = [StateEntry.read(entry.state) for entry in gathered]
+            verdict = group_verdict(states, group.mode_ids) if self.state_round is not None else None
+            me = group_info.peer_ids.index(self.peer_id)
+            diverged = verdict is not None and me in verdict.diverged
+            if diverged:  # its gradients were computed at other parameters: none of them in the average
+                kwargs = dict(kwargs, weight=0.0)
+            if verdict is not None and verdict.diverged:
+                log.warning("replicas in the group differ", extra={"fields": {
+                    "diverged": [str(group_info.peer_ids[i]) for i in sorted(verdict.diverged)],
+                    "this_peer_diverged": diverged}})
             fractions = planned_fractions([entry.plan for entry in gathered], group.mode_ids, self.total_size,
                                           min_vector_size)
             planned_kwargs = {} if fractions is None else dict(modes=group.modes)
@@ -334,28 +360,33 @@ class PlannedAverager(DecentralizedAverager):
                 await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=fractions,
                                                    **planned_kwargs, **kwargs)
             aggregated, missing = self._aggregated_elements, self._missing_elements
-            if self.state_round is not None:
-                epoch = agreed_epoch([entry.state for entry in gathered], group.mode_ids, self.state_round.layout)
+            if verdict is not None:
+                epoch = agreed_epoch(states, group.mode_ids, self.state_round.layout, verdict)
                 if epoch is not None:
                     budget = parameter_round_budget(self._allreduce_timeout, time.monotonic() - began,
                                                     time.time() - started)
-                    await self._average_parameters(epoch, group_info, fractions, planned_kwargs, kwargs, budget)
+                    await self._average_parameters(epoch, group_info, fractions, planned_kwargs, kwargs, budget,
+                                                   sends=not diverged)
             with self._report.get_lock():
                 report = self._report
                 report[_PLANNED], report[_STARTED], report[_FINISHED] = bool(planned_kwargs), started, time.time()
                 report[_ELEMENTS], report[_GROUP] = aggregated, group.size
                 report[_MISSING] = missing
+                report[_DIVERGED] = _mask(verdict.diverged) if verdict is not None else 0
+                report[_GROUP_ID] = int.from_bytes(group_info.group_id[:6], "big")  # exact in a double
                 report[_ROUNDS] += 1
                 report[_PLANNED_ROUNDS] += bool(planned_kwargs)
             return dict(zip(group_info.peer_ids, user_data))
 
     async def _average_parameters(self, epoch: int, group_info: GroupInfo, fractions: Sequence[int],
-                                  planned_kwargs: dict, kwargs: dict, budget: float) -> None:
+                                  planned_kwargs: dict, kwargs: dict, budget: float, sends: bool = True) -> None:
         """The parameter round on the gradient round's group and split (see `state_round`), given
         at most `budget` seconds. Its failure is reported, not raised: the gradient round
-        succeeded, and the optimizer then keeps its own parameters."""
+        succeeded, and the optimizer then keeps its own parameters. A member that does not send
+        (its replica diverged) still aggregates its share, with weight 0 for its own parameters."""
         state = self.state_round
-        kwargs = dict(kwargs, weight=state.weight(epoch), tensor_infos=state.tensor_infos)
+        weight = state.weight(epoch) if sends else 0.0
+        kwargs = dict(kwargs, weight=weight, tensor_infos=state.tensor_infos)
         complete = False
         try:
             if budget <= 0:

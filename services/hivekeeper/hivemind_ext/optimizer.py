@@ -228,7 +228,8 @@ class InstrumentedOptimizer(hivemind.Optimizer):
     def _make_gradient_averager(self, factory, **kwargs: Any):
         """hivemind's, with the parameter round on its groups when `parameters_every` is set."""
         if self.parameters_every is not None:
-            kwargs["state_round"] = StateRound(self.state_averager.main_parameters, due=self._parameters_due)
+            kwargs["state_round"] = StateRound(self.state_averager.main_parameters, due=self._parameters_due,
+                                               epoch=lambda: self.local_epoch)
         return super()._make_gradient_averager(factory, **kwargs)
 
     def _parameters_due(self) -> Optional[int]:
@@ -281,6 +282,15 @@ class InstrumentedOptimizer(hivemind.Optimizer):
         return self._out_of_sync or super()._should_load_state_from_peers()
 
     def _update_global_epoch(self, grad_scaler) -> None:
+        if self._missed_the_step():
+            # The collaboration took the step this replica accumulated for without it: its
+            # gradients were computed at parameters the others have left. hivemind would let it
+            # "catch up" into the next round with them, stepping from its old parameters (the
+            # replicas then drift apart); instead it drops them and takes the current state.
+            log.info("the collaboration stepped without this replica; loading its state",
+                     extra={"fields": {"epoch": self.local_epoch, "global_epoch": self.tracker.global_epoch}})
+            self.load_state_from_peers()
+            return
         self._round_recorded = False
         epoch = self.local_epoch
         self._accumulation = self.clock.triggered(time.time())
@@ -296,15 +306,23 @@ class InstrumentedOptimizer(hivemind.Optimizer):
         last = self._planned_round
         allreduce = (last.started, last.finished) if last is not None and last.rounds > rounds_before else None
         self.clock.ended(time.time(), allreduce if self.last_round.get("outcome") == "success" else None)
-        if self.last_round.get("outcome") == "failure" and self.tracker.global_progress.num_peers > 1:
-            # hivemind stepped on this peer's local gradients: the others stepped on their group's
-            # average, and this replica no longer equals theirs. Take their state before the next
-            # batch, and share none meanwhile.
+        outcome = self.last_round.get("outcome")
+        if outcome == "resync" or (outcome == "failure" and self.tracker.global_progress.num_peers > 1):
+            # hivemind stepped on this peer's local gradients (the others stepped on their group's
+            # average), or the group found this replica apart from theirs: take their state before
+            # the next batch, and share none meanwhile.
             self._out_of_sync = True
             self.state_averager.allow_state_sharing = False
         if self.clock.median is not None:
             for name, value in self.clock.median.to_json().items():
                 self.metrics.step_phase_seconds.labels(name).set(value)
+
+    def _missed_the_step(self) -> bool:
+        """Whether the collaboration is past this replica's epoch while replicas are kept in
+        lockstep (parameter rounds on the gradient rounds' groups; with DPU, updates are late
+        by design and hivemind's catching up stands)."""
+        return (self.parameters_every is not None and not self.auxiliary
+                and self.tracker.global_epoch > self.local_epoch and self.tracker.global_progress.num_peers > 1)
 
     @property
     def _planned_round(self) -> Optional[PlannedRound]:
@@ -364,16 +382,30 @@ class InstrumentedOptimizer(hivemind.Optimizer):
         self._check_average = False
         seconds = time.perf_counter() - started
         members: list[str] = []
+        diverged: list[str] = []
+        group_id: Optional[str] = None
         missing = 0
         if maybe_step_control is None:
             outcome, group_size = "skipped", 1
         elif self._rejected_average:
             outcome, group_size = "failure", 0
         elif maybe_step_control.done() and maybe_step_control.exception() is None:
-            members = sorted(str(peer) for peer in maybe_step_control.result())
+            ordered = list(maybe_step_control.result())  # the group's order: the round's report indexes it
+            members = sorted(str(peer) for peer in ordered)
             outcome, group_size = "success", len(members)
+            last = self._planned_round
+            diverged = sorted(str(ordered[i]) for i in (last.diverged if last is not None else ()) if i < len(ordered))
+            group_id = last.group_id if last is not None else None
             missing = self._missing_elements()
-            if missing:
+            if str(self.dht.peer_id) in diverged:
+                # the group found this replica apart from the one most members hold: its gradients
+                # went in with weight 0; it steps on nothing and reloads the state
+                outcome = "resync"
+                self._drop_update()
+                self.metrics.replica_resyncs.inc()
+                log.warning("this replica differs from its group's; it skips the update and reloads the state",
+                            extra={"fields": {"members": len(members)}})
+            elif missing:
                 # hivemind keeps this peer's own values where a part of the average never came
                 # back and calls the round a success. A failure for this peer: it steps on nothing
                 # (see _drop_update) and reloads before computing again.
@@ -385,7 +417,8 @@ class InstrumentedOptimizer(hivemind.Optimizer):
         else:
             outcome, group_size = "failure", 0
         parameters = self._take_averaged_parameters(outcome)
-        self._record_round(outcome, group_size, seconds, self.local_epoch, members, missing, parameters)
+        self._record_round(outcome, group_size, seconds, self.local_epoch, members, missing, parameters, diverged,
+                           group_id)
 
     def _take_averaged_parameters(self, outcome: str) -> Optional[str]:
         """After a successful round, this replica's parameters become the group's average when
@@ -418,7 +451,8 @@ class InstrumentedOptimizer(hivemind.Optimizer):
         return last.missing_elements if last is not None else 0
 
     def _record_round(self, outcome: str, group_size: int, seconds: float, epoch: int,
-                      members: list[str] = (), missing_elements: int = 0, parameters: Optional[str] = None) -> None:
+                      members: list[str] = (), missing_elements: int = 0, parameters: Optional[str] = None,
+                      diverged: Sequence[str] = (), group_id: Optional[str] = None) -> None:
         self._round_recorded = True
         self.metrics.averaging_rounds.labels(outcome).inc()
         if outcome == "success":
@@ -430,6 +464,10 @@ class InstrumentedOptimizer(hivemind.Optimizer):
             self.last_round["missingElements"] = missing_elements
         if parameters is not None:  # the step's parameter round: "averaged" or "failed"
             self.last_round["parameters"] = parameters
+        if diverged:  # members whose replica differed from the group's: their gradients had weight 0
+            self.last_round["diverged"] = list(diverged)
+        if group_id:  # names the round alike at every member
+            self.last_round["group"] = group_id
         self.sync_byte_counters()
 
     @property

@@ -14,12 +14,17 @@ right after it and before the optimizer step, as merges run their second round
 construction, and they all hold the same step.
 
 Agreement. Whether it runs is decided from the data every member gathered alike in matchmaking,
-so every member decides the same: each member names the epoch it would average its parameters
-at (None when not due, or when its replica is out of sync and must reload first) and the layout
-of its parameters (a digest of their shapes). The round runs iff every sending member named the
-same epoch, at least two members send, and all layouts agree. Auxiliary members aggregate their
-share of it, as of the gradient round, and send nothing. Both rounds split the vector alike (the
-averaging plan's shares, or hivemind's split).
+so every member decides the same. Each member names the epoch it would average its parameters
+at (None when not due, or when its replica is out of sync and must reload first), the layout of
+its parameters (a digest of their shapes), its local epoch and a fingerprint of its parameters
+(`hivekeeper.replicas`). The fingerprints give the group's replica verdict: members
+whose replica differs from the one most members hold are *diverged*; they send their gradients
+with weight 0, take nothing from the round, drop their update and reload the state before they
+compute again, whatever the parameter round does. The parameter round runs iff every other
+sending member named the same epoch, at least two of them send, and all layouts agree. Auxiliary
+members aggregate their share of it, as of the gradient round, and send nothing; they are not
+judged (they hold no replica of their own). Both rounds split the vector alike (the averaging
+plan's shares, or hivemind's split).
 
 Inputs and results. The round averages copies of the parameters (`StateRound.tensors`, in shared
 memory: the all-reduce runs in the averager's forked process). The optimizer copies its
@@ -37,6 +42,7 @@ import ctypes
 import hashlib
 import logging
 import multiprocessing as mp
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -44,10 +50,11 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.compression import CompressionInfo, TensorRole
 
 from hivekeeper.hivemind_ext import check_hivemind_version
+from hivekeeper.replicas import Fingerprint, ReplicaVerdict, fingerprint, replica_verdict
 
 check_hivemind_version(__name__)
 
-__all__ = ["STATE_ROUND_SUFFIX", "StateRound", "agreed_epoch"]
+__all__ = ["STATE_ROUND_SUFFIX", "StateEntry", "StateRound", "agreed_epoch", "group_verdict"]
 
 log = logging.getLogger("hivekeeper.state_round")
 
@@ -62,34 +69,65 @@ def layout_digest(tensors: Sequence[torch.Tensor]) -> str:
     return hashlib.blake2b(repr([tuple(t.shape) for t in tensors]).encode(), digest_size=8).hexdigest()
 
 
-def agreed_epoch(entries: Sequence[Any], mode_ids: Sequence[int], layout: str) -> Optional[int]:
-    """The epoch a group averages its parameters at, from its members' gathered entries
-    ([epoch or None, layout] each) and averaging modes; None: no parameter round."""
-    if not entries or any(not _valid(entry) or entry[1] != layout for entry in entries):
+@dataclass(frozen=True)
+class StateEntry:
+    """What one member gathered for the step: [due epoch or None, layout, local epoch, fingerprint]."""
+
+    due: Optional[int]
+    layout: str
+    epoch: Optional[int]
+    fingerprint: Optional[Fingerprint]
+
+    @classmethod
+    def read(cls, value: Any) -> Optional["StateEntry"]:
+        """The entry a member gathered, or None for anything malformed (or none at all)."""
+        if not isinstance(value, (list, tuple)) or len(value) != 4 or not isinstance(value[1], str):
+            return None
+        due, layout, epoch, print_ = value
+        if not (due is None or _is_int(due)) or not (epoch is None or _is_int(epoch)):
+            return None
+        return cls(due, layout, epoch, Fingerprint.from_wire(print_))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def group_verdict(entries: Sequence[Optional[StateEntry]], mode_ids: Sequence[int]) -> ReplicaVerdict:
+    """Which sending members hold a replica that differs from the group's (see the module docstring)."""
+    return replica_verdict([e.fingerprint if e is not None else None for e in entries],
+                           [e.epoch if e is not None else None for e in entries],
+                           [mode != _AUX for mode in mode_ids])
+
+
+def agreed_epoch(entries: Sequence[Optional[StateEntry]], mode_ids: Sequence[int], layout: str,
+                 verdict: ReplicaVerdict = ReplicaVerdict(frozenset())) -> Optional[int]:
+    """The epoch a group averages its parameters at, from its members' gathered entries and
+    averaging modes, leaving out the members the verdict found diverged; None: no parameter round."""
+    if not entries or any(entry is None or entry.layout != layout for entry in entries):
         return None
-    epochs = {entry[0] for entry, mode in zip(entries, mode_ids) if mode != _AUX}
-    senders = sum(mode != _AUX for mode in mode_ids)
-    if senders < 2 or len(epochs) != 1 or None in epochs:
+    senders = [entry for index, (entry, mode) in enumerate(zip(entries, mode_ids))
+               if mode != _AUX and index not in verdict.diverged]
+    epochs = {entry.due for entry in senders}
+    if len(senders) < 2 or len(epochs) != 1 or None in epochs:
         return None
     return epochs.pop()
-
-
-def _valid(entry: Any) -> bool:
-    return (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str)
-            and (entry[0] is None or (isinstance(entry[0], int) and not isinstance(entry[0], bool))))
 
 
 class StateRound:
     """The parameter round of one gradient averager: the shared copies it averages, the entry
     this peer gathers, and the report of the latest round. Create it before the averager forks."""
 
-    def __init__(self, parameters: Sequence[torch.Tensor], due: Callable[[], Optional[int]] = lambda: None):
+    def __init__(self, parameters: Sequence[torch.Tensor], due: Callable[[], Optional[int]] = lambda: None,
+                 epoch: Callable[[], Optional[int]] = lambda: None):
+        self.parameters = list(parameters)  # the live replica, fingerprinted for every step
         with torch.no_grad():
             self.tensors = [p.detach().to("cpu", torch.float32, copy=True).share_memory_() for p in parameters]
         self.tensor_infos = [CompressionInfo.from_tensor(t, key=i, role=TensorRole.PARAMETER)
                              for i, t in enumerate(self.tensors)]
         self.layout = layout_digest(self.tensors)
         self.due = due  # in the parent: the epoch this peer would average parameters at now (None: not due)
+        self.epoch = epoch  # in the parent: this peer's local epoch
         context = mp.get_context("fork")
         self._loaded_epoch = context.Value(ctypes.c_long, _NONE, lock=False)  # whose parameters `tensors` hold
         self._report = context.Array(ctypes.c_long, 3)
@@ -97,8 +135,8 @@ class StateRound:
     # --- in the parent (the optimizer's process) -------------------------------------------------
 
     def entry(self) -> list:
-        """What this peer gathers for the step it schedules now."""
-        return [self.due(), self.layout]
+        """What this peer gathers for the step it schedules now (see `StateEntry`)."""
+        return [self.due(), self.layout, self.epoch(), fingerprint(self.parameters).to_wire()]
 
     @torch.no_grad()
     def load(self, parameters: Sequence[torch.Tensor], epoch: int) -> None:
