@@ -49,16 +49,14 @@ def use_static_relays() -> None:
     _patch("static_relays", change)
 
 
-def die_with_parent() -> None:
+def die_with_parent(prefix: Sequence[str]) -> None:
     """Start every p2pd this process (or a process it forks) starts from its main thread through
-    lifeline's exec wrapper, which sets its parent-death signal to SIGKILL and execs p2pd in the
-    same process (hivemind stops it by that pid): a DHT process that dies, however it dies, takes
-    its p2pd with it. The kernel sends the signal when the thread that started p2pd exits, so a
-    p2pd started from another thread (one that may end before its process) starts as before.
-    Idempotent."""
-    from hivekeeper.runtime.lifeline import exec_prefix
-
-    prefix = exec_prefix()
+    `prefix`, an exec wrapper that sets its parent-death signal to SIGKILL and execs p2pd in the
+    same process (hivemind stops it by that pid; `runtime.lifeline.exec_prefix`): a DHT process
+    that dies, however it dies, takes its p2pd with it. The kernel sends the signal when the
+    thread that started p2pd exits, so a p2pd started from another thread (one that may end
+    before its process) starts as before. Idempotent."""
+    prefix = list(prefix)
 
     def wrap(proc_args: list[str]) -> list[str]:
         return [*prefix, *proc_args] if threading.current_thread() is threading.main_thread() else proc_args

@@ -106,7 +106,7 @@ def _before_fork() -> None:
     try:
         from hivekeeper.hivemind_ext.p2pd import die_with_parent
 
-        die_with_parent()
+        die_with_parent(exec_prefix())
     except Exception:  # a p2pd that may outlive its DHT is no reason to fail the fork
         log.exception("p2pd starts without a parent-death signal")
 
