@@ -105,6 +105,11 @@ def test_inputs_come_from_measurements_capped_by_the_manifest(tmp_path):
     assert peers["auxiliary-0"].samples_per_second == 0.0 and peers["auxiliary-0"].upload_mbps == 100.0
     assert inputs.problem.target_batch_size == spec.target_batch_size and inputs.problem.num_parameters == 1000
 
+    # a restarted trainer's new report and its predecessor's name one metrics address: the one
+    # process scraped twice is planned once
+    twice = [measurement("trainer-0", "trainer", 300.0, 80.0, 90.0)] * 2
+    assert len(plan_inputs(spec, twice, num_parameters=1000).problem.peers) == 1
+
     # no plan while no peer computes, or every peer is in client mode
     assert plan_inputs(spec, [measurement("auxiliary-0", "auxiliary", 0.0, 5.0, 5.0)], 1000) is None
     assert plan_inputs(spec, [measurement("trainer-0", "trainer", 9.0, 5.0, 5.0, client=True)], 1000) is None

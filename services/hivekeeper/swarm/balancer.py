@@ -60,10 +60,12 @@ class PlanInputs:
 def plan_inputs(spec: SwarmSpec, measurements: Sequence[PeerMeasurement], num_parameters: int,
                 alive: Optional[set[str]] = None) -> Optional[PlanInputs]:
     """The LP's inputs from what peers measure, capped by the manifest's limits; None while
-    no plan is possible (no computing peer, or none that accepts connections)."""
+    no plan is possible (no computing peer, or none that accepts connections). A peer measured
+    twice counts once: a restarted role's new report and its predecessor's, which lives on until
+    it expires, name the same metrics address, so its one process is scraped twice."""
     peers, names, waiting = [], {}, []
     for m in measurements:
-        if m.role not in AVERAGING_ROLES or (alive is not None and m.peer_id not in alive):
+        if m.role not in AVERAGING_ROLES or (alive is not None and m.peer_id not in alive) or m.peer_id in names:
             continue
         limits = spec.trainers.bandwidth if m.role == "trainer" else spec.auxiliary.bandwidth
         upload = _capped(m.upload_bytes_per_second, limits.upload_mbps)
