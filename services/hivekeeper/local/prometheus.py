@@ -16,6 +16,7 @@ import yaml
 
 from hivekeeper.errors import UserError
 from hivekeeper.local.network import free_port
+from hivekeeper.runtime.lifeline import exec_prefix
 from hivekeeper.topology import METRICS, Role
 
 SCRAPE_INTERVAL = "2s"  # local runs are short: see rounds as they happen
@@ -73,8 +74,10 @@ class LocalPrometheus:
         config = self.dir / "prometheus.yml"
         config.write_text(yaml.safe_dump(self.config, sort_keys=False))
         with open(self.log_path, "ab") as log:
+            # its own session (Ctrl-C reaches only the runner), and it dies with the runner's
+            # thread that starts it, however the runner ends (`runtime.lifeline`)
             self.process = subprocess.Popen(
-                [self.binary, f"--config.file={config}", f"--storage.tsdb.path={self.dir / 'data'}",
+                [*exec_prefix(), self.binary, f"--config.file={config}", f"--storage.tsdb.path={self.dir / 'data'}",
                  f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=7d"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
