@@ -210,6 +210,11 @@ def test_a_server_answering_garbage_is_routed_around(swarm, no_leaked_p2pd):
     lonely_dht, lonely = swarm.client(run_id="garbage-only", route_wait=1.0)
     try:
         wait_for(lambda: any(s.name == "liar" for s in model.sequence.servers(refresh=True)), 30, "the liar's record")
+        # The client has measured the liar as its fastest server: routing takes the one hop through
+        # it over the three through the honest servers. (Measured for real, its first round trip
+        # through p2pd, a new connection on a loaded host, can lose to the direct path's: the
+        # client then never calls it and there is nothing to route around.)
+        model.sequence.rtt[str(fake.peer_id)] = 0.0
         tokens = model.generate(PROMPT, 8)
         assert torch.equal(tokens, local_generate(swarm.manifest.spec.model, PROMPT, 8))
         assert model.sequence.failovers >= 1 and str(fake.peer_id) in model.sequence.banned
