@@ -21,8 +21,8 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from conftest import wait_for
 from hivekeeper.auth.authorizer import SwarmAuthorizer, make_authorizer
-from hivekeeper.auth.gateway import Allowlist, GatewayServer, TokenService, serve_gateway
 from hivekeeper.auth.tokens import issue_access_token, mint_invite, verify_access_token
+from helpers.token_service import token_service
 
 # the members are DHT processes forked from the test process (see test_planned_averaging)
 pytestmark = [pytest.mark.isolated, pytest.mark.swarm, pytest.mark.timeout(120)]
@@ -35,7 +35,7 @@ MEMBERS = [("digits/backbone-0", True), ("alice", False), ("bob", False)]  # (id
 @dataclass
 class Swarm:
     key: RSAPrivateKey
-    gateway: GatewayServer
+    gateway: str  # the token service's HOST:PORT
     members: list[hivemind.DHT]
     authorizers: list[SwarmAuthorizer]
 
@@ -64,22 +64,22 @@ class Impostor(TokenAuthorizerBase):
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     key = RSAPrivateKey()
-    gateway = serve_gateway(TokenService(key, Allowlist(["alice", "bob"]), lambda: {"name": "digits"}))
     members, authorizers = [], []
-    try:
-        for identity, internal in MEMBERS:
-            invite = tmp_path_factory.mktemp("invites") / "peer.invite"
-            invite.write_text(mint_invite(key, identity, time.time() + HOUR, internal=internal))
-            # a key of its own: in a role process the process-wide key, here several peers share a process
-            authorizer = make_authorizer(f"127.0.0.1:{gateway.port}", invite, private_key=RSAPrivateKey(), patience=10)
-            initial = [str(m) for m in members[0].get_visible_maddrs()] if members else []
-            members.append(hivemind.DHT(initial_peers=initial, host_maddrs=LOOPBACK, authorizer=authorizer, start=True))
-            authorizers.append(authorizer)
-        yield Swarm(key, gateway, members, authorizers)
-    finally:
-        for dht in members:
-            dht.shutdown()
-        gateway.stop(grace=0)
+    with token_service(key, ["alice", "bob"], {"name": "digits"}) as gateway:
+        try:
+            for identity, internal in MEMBERS:
+                invite = tmp_path_factory.mktemp("invites") / "peer.invite"
+                invite.write_text(mint_invite(key, identity, time.time() + HOUR, internal=internal))
+                # a key of its own: in a role process the process-wide key, here several peers share a process
+                authorizer = make_authorizer(gateway, invite, private_key=RSAPrivateKey(), patience=10)
+                initial = [str(m) for m in members[0].get_visible_maddrs()] if members else []
+                members.append(hivemind.DHT(initial_peers=initial, host_maddrs=LOOPBACK, authorizer=authorizer,
+                                            start=True))
+                authorizers.append(authorizer)
+            yield Swarm(key, gateway, members, authorizers)
+        finally:
+            for dht in members:
+                dht.shutdown()
 
 
 def value_at(dht: hivemind.DHT, key: str):
@@ -137,7 +137,7 @@ def test_refused_and_replayed_requests_fail_at_the_caller(swarm, tmp_path, no_le
     P2PHandlerError (the member answers nothing); a signed request sent twice is answered once."""
     invite = tmp_path / "carol.invite"
     invite.write_text(mint_invite(swarm.key, "digits/monitor-0", time.time() + HOUR, internal=True))
-    honest = make_authorizer(f"127.0.0.1:{swarm.gateway.port}", invite, private_key=RSAPrivateKey(), patience=10)
+    honest = make_authorizer(swarm.gateway, invite, private_key=RSAPrivateKey(), patience=10)
     member_key = swarm.authorizers[0].local_public_key
 
     async def scenario() -> None:
