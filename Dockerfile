@@ -3,11 +3,12 @@
 # the operator. Its entrypoint is `hivekeeper`; pods of the operator run `hivekeeper-operator`,
 # swarm pods `python -m hivekeeper_operator.launch` (which execs `hivekeeper run ROLE ...`).
 #
-#   CPU (default):  docker build -t hivekeeper:0.1.0 .
-#   CUDA:           docker build -t hivekeeper:0.1.0-cu128 \
+#   CPU (default):  docker build -t hivekeeper:0.3.0 .
+#   CUDA:           docker build -t hivekeeper:0.3.0-cu128 \
 #                     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
 #                     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
-#   Without docker: cluster/image/build.sh (buildah on a Debian base of its own, PyPI's torch).
+#   Without docker: cluster/image/build.sh (buildah on a Debian base of its own, from the
+#                   wheelhouse scripts/install.sh fills: nothing is downloaded twice).
 #
 # Layers, slowest first: Python + venv, torch, the dependencies pinned in pyproject.toml, and
 # last the source, so that a change under services/ or operator/ rebuilds only the last one, and
@@ -15,14 +16,13 @@
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE} AS python-torch
 
-# torch comes from PyTorch's own index: PyPI's Linux wheel is a multi-GB CUDA build (which
-# cluster/image/build.sh takes, with TORCH_INDEX_URL=https://pypi.org/simple, where that index is out of reach).
+# torch comes from PyTorch's own index: PyPI's Linux wheel is a multi-GB CUDA build.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
-# pip keeps no cache in the image (PIP_NO_CACHE_DIR). A builder may lend it one for the build
-# only: mount it and pass its path, e.g. cluster/image/build.sh runs buildah with
-# `--volume ~/.cache/pip:/root/.cache/pip --build-arg PIP_CACHE_DIR=/root/.cache/pip`.
-ARG PIP_CACHE_DIR
+# A builder may lend a wheelhouse for the build only: every requirement as a wheel, mounted at
+# this path; pip then installs from it alone (--no-index), e.g. cluster/image/build.sh runs
+# buildah with `--volume ~/.cache/hivekeeper/wheels:/wheels:ro --build-arg WHEELHOUSE=/wheels`.
+ARG WHEELHOUSE
 
 ENV VIRTUAL_ENV=/opt/hivekeeper \
     PATH=/opt/hivekeeper/bin:$PATH \
@@ -39,14 +39,14 @@ RUN if ! command -v python3 >/dev/null 2>&1; then \
         && rm -rf /var/lib/apt/lists/*; \
     fi \
     && python3 -m venv "$VIRTUAL_ENV" \
-    && if [ -n "$PIP_CACHE_DIR" ]; then unset PIP_NO_CACHE_DIR; fi \
-    && pip install --upgrade pip
+    && if [ -z "$WHEELHOUSE" ]; then pip install --upgrade pip; fi
 
 RUN groupadd --gid 10001 hivekeeper \
     && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin hivekeeper
 
-RUN if [ -n "$PIP_CACHE_DIR" ]; then unset PIP_NO_CACHE_DIR; fi \
-    && pip install --index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}"
+RUN if [ -n "$WHEELHOUSE" ]; then index="--no-index --find-links $WHEELHOUSE"; \
+    else index="--index-url $TORCH_INDEX_URL"; fi \
+    && pip install $index "torch==${TORCH_VERSION}"
 
 # The dependencies, read from pyproject.toml (tomllib: Python >= 3.11): the build backend,
 # [project] dependencies and the operator extra; only this list reaches the image's next layers.
@@ -59,15 +59,15 @@ print("\n".join(p["build-system"]["requires"] + p["project"]["dependencies"] + p
 # torch==X is already met by X+cpu. hivemind from its wheel only: the sdist would download p2pd
 # at build time.
 FROM python-torch
-ARG PIP_CACHE_DIR
+ARG WHEELHOUSE
 COPY --from=requirements /tmp/requirements.txt /tmp/
-RUN if [ -n "$PIP_CACHE_DIR" ]; then unset PIP_NO_CACHE_DIR; fi \
-    && pip install --only-binary=hivemind -r /tmp/requirements.txt \
+RUN if [ -n "$WHEELHOUSE" ]; then index="--no-index --find-links $WHEELHOUSE"; else index=""; fi \
+    && pip install $index --only-binary=hivemind -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
 # The source: no resolver, no download, no build isolation (everything is installed above).
 WORKDIR /src
-COPY pyproject.toml README.m[d] ./
+COPY pyproject.toml README.m[d] LICENSE ./
 COPY services ./services
 COPY operator ./operator
 RUN pip install --no-deps --no-build-isolation . \

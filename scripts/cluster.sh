@@ -45,7 +45,10 @@ KUBELET_SYSCTLS=(vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_
 log() { printf '[cluster %s] %s\n' "$(date +%T)" "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 in_node() { nsenter --net="/run/netns/$NS" "$@"; }
-kubectl_() { "$BIN/kubectl" --kubeconfig "$STATE/kubeconfig" "$@"; }
+# kubectl: the pinned static build scripts/get-helm.sh puts beside helm (1.33, within the one
+# minor version of skew Kubernetes supports), not built here.
+KUBECTL="$ROOT/.tools/bin/kubectl"
+kubectl_() { "$KUBECTL" --kubeconfig "$STATE/kubeconfig" "$@"; }
 ctr_() { ctr --address "$RUN/containerd.sock" -n k8s.io "$@"; }
 
 # --- build ------------------------------------------------------------------------------------
@@ -63,7 +66,22 @@ install_packages() {
 }
 
 # Builds the Go binaries when the module files that pin them changed (a stamp of their hash).
+# CI builds them in the background while `up` may wait for that build here; the lock's file
+# descriptor is closed again before anything is started (daemons would inherit it).
 build_binaries() {
+    mkdir -p "$BIN"
+    exec 7>"$BIN/../.build.lock"
+    if ! flock -n 7; then
+        log "another build of the binaries is running: waiting for it"
+        flock 7
+    fi
+    local code=0
+    build_binaries_locked || code=$?
+    exec 7>&-
+    return "$code"
+}
+
+build_binaries_locked() {
     local stamp="$BIN/.stamp" want
     want="$(cat "$ROOT"/cluster/kube/go.mod "$ROOT"/cluster/kube/go.sum "$ROOT"/cluster/kube/cmd/*/*.go \
                 "$ROOT"/cluster/coredns/go.mod "$ROOT"/cluster/coredns/go.sum "$ROOT"/cluster/coredns/*.go | sha256sum | cut -c1-16)"
@@ -81,9 +99,9 @@ build_binaries() {
     (cd "$ROOT/cluster/kube" && go build -trimpath -ldflags "$ld" -o "$BIN/" \
         k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
         k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet \
-        k8s.io/kubernetes/cmd/kube-proxy k8s.io/kubernetes/cmd/kubectl ./cmd/etcd)
+        k8s.io/kubernetes/cmd/kube-proxy ./cmd/etcd) || return 1
     log "building CoreDNS"
-    (cd "$ROOT/cluster/coredns" && go build -trimpath -ldflags "-s -w" -o "$BIN/coredns" .)
+    (cd "$ROOT/cluster/coredns" && go build -trimpath -ldflags "-s -w" -o "$BIN/coredns" .) || return 1
     echo "$want" > "$stamp"
     log "binaries built in $((SECONDS - start)) s"
 }
@@ -228,7 +246,7 @@ start_control_plane() {
         --service-account-issuer "https://kubernetes.default.svc.$DOMAIN" \
         --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
         --profiling=false --v 1
-    wait_until 60 "API server ready" "$BIN/kubectl" --kubeconfig "$STATE/kubeconfig" get --raw /readyz
+    wait_until 60 "API server ready" kubectl_ get --raw /readyz
     start kube-controller-manager "$BIN/kube-controller-manager" \
         --kubeconfig "$STATE/controller-manager.kubeconfig" \
         --authentication-kubeconfig "$STATE/controller-manager.kubeconfig" \
@@ -412,6 +430,7 @@ load_image_names() {
 
 cmd_up() {
     local start=$SECONDS
+    [ -x "$KUBECTL" ] || "$ROOT/scripts/get-helm.sh" >/dev/null
     if [ -e "/run/netns/$NS" ]; then
         log "a cluster is already up (or was left behind): taking it down first"
         cmd_down
@@ -431,7 +450,7 @@ cmd_up() {
     {
         echo "KUBECONFIG=$STATE/kubeconfig"
         echo "HIVEKEEPER_E2E_IMAGE=$IMAGE"
-        echo "HIVEKEEPER_KUBECTL=$BIN/kubectl"
+        echo "HIVEKEEPER_KUBECTL=$KUBECTL"
     } > "$STATE/env"
     log "cluster up in $((SECONDS - up_start)) s ($((SECONDS - start)) s with the build): KUBECONFIG=$STATE/kubeconfig"
 }

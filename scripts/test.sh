@@ -1,24 +1,41 @@
 #!/usr/bin/env bash
 # Runs the test suite; fails if pytest collects no tests (exit 5) instead of passing quietly.
-# Without arguments, three tiers:
-#   1. tests marked `isolated` (they fork hivemind averagers from the test process itself), in a
-#      pytest process of their own;
-#   2. everything else but the real cluster (the `netns` tests, volunteers behind a NAT in
-#      network namespaces, need root and skip without it);
-#   3. the real-cluster tier (tests/e2e): `scripts/cluster.sh up` builds and starts a Kubernetes
-#      on this machine, the tests helm-install the operator and kubectl-apply every kind, and
-#      `scripts/cluster.sh down` removes it all again. Needs root and Go; skipped without them,
-#      or with HIVEKEEPER_E2E=0.
+# Without arguments, four tiers:
+#   1. isolated: tests that fork hivemind averagers from the test process itself, in a pytest
+#      process of their own;
+#   2. unit: everything that starts no swarm (specs, planners, the operator against the
+#      emulator, the chart, the docs), two pytest workers at once (pytest-xdist);
+#   3. swarm: real hivemind peers on loopback, and volunteers behind a NAT in network
+#      namespaces (the `netns` tests need root and skip without it), one at a time;
+#   4. cluster: the real-cluster tier (tests/e2e): `scripts/cluster.sh up` starts a Kubernetes
+#      on this machine (waiting for binaries and an image that CI may still be building), the
+#      tests helm-install the operator and kubectl-apply every kind, and `scripts/cluster.sh
+#      down` removes it all again. Needs root and Go; skipped without them, or with
+#      HIVEKEEPER_E2E=0.
+# Every tier runs even when an earlier one failed; the exit code is the first failure's.
+# With $HIVEKEEPER_REPORTS, each tier writes its JUnit XML there (CI's slowest-tests summary),
+# and with $HIVEKEEPER_PHASES each tier's time is recorded (scripts/phases.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source scripts/phases.sh
 
 run() {
-  .venv/bin/python -m pytest --durations=40 "$@"
+  .venv/bin/python -m pytest --durations=25 "$@"
   local code=$?
   if [ "$code" -eq 5 ]; then
     echo "error: pytest collected no tests" >&2
   fi
   return "$code"
+}
+
+# tier NAME PYTEST-ARGS...
+tier() {
+  local name=$1
+  shift
+  local junit=()
+  [ -n "${HIVEKEEPER_REPORTS:-}" ] && junit=(--junitxml "$HIVEKEEPER_REPORTS/$name.xml")
+  echo "=== tier $name ===" >&2
+  phase "tier: $name" run "${junit[@]}" "$@"
 }
 
 cluster_tier() {
@@ -30,22 +47,21 @@ cluster_tier() {
     echo "real-cluster tier skipped: it needs root and Go (scripts/cluster.sh)" >&2
     return 0
   fi
-  trap 'scripts/cluster.sh down' EXIT
-  scripts/cluster.sh up || return 1
-  run -m e2e tests/e2e
+  trap 'phase "cluster: down" scripts/cluster.sh down' EXIT
+  phase "cluster: up" scripts/cluster.sh up || return 1
+  tier cluster -m e2e tests/e2e
 }
 
 if [ "$#" -gt 0 ]; then
   run "$@"
   exit $?
 fi
-run -m "isolated"
-first=$?
-run -m "not isolated and not e2e"
-second=$?
-cluster_tier
-third=$?
-for code in "$first" "$second" "$third"; do
+codes=()
+tier isolated -m "isolated"; codes+=($?)
+tier unit -n 2 -m "not isolated and not e2e and not swarm and not netns"; codes+=($?)
+tier swarm -m "not isolated and not e2e and (swarm or netns)"; codes+=($?)
+cluster_tier; codes+=($?)
+for code in "${codes[@]}"; do
   [ "$code" -ne 0 ] && exit "$code"
 done
 exit 0

@@ -26,8 +26,9 @@
 #   archives/          the archives, each with a .key (a hash of everything the image is made of:
 #                      Dockerfile, .dockerignore, pyproject.toml, README.md, services/, operator/,
 #                      the build args), so an unchanged tree rebuilds and rewrites nothing
-# pip in the build uses the host's pip cache (${PIP_CACHE_DIR:-~/.cache/pip}, mounted, never in the image).
-# Environment: TORCH_INDEX_URL (default https://pypi.org/simple: PyPI's torch, with its CUDA
+# pip in the build installs from the wheelhouse scripts/install.sh fills ($CACHE/../wheels, mounted
+# read-only, never in the image), so nothing is downloaded a second time; without one, from the
+# index. Environment: TORCH_INDEX_URL (default https://pypi.org/simple: PyPI's torch, with its CUDA
 # libraries; it runs on CPU), HIVEKEEPER_DEBIAN_MIRROR, HIVEKEEPER_DEBIAN_SECURITY_MIRROR.
 set -euo pipefail
 
@@ -46,9 +47,9 @@ SUITE=bookworm
 # What the image needs from Debian at run time. torch's wheel brings its own libgomp, hivemind's
 # wheel a static p2pd; libstdc++6 and zlib come with minbase (apt needs them).
 BASE_PACKAGES=(python3 python3-venv ca-certificates)
-HOST_PIP_CACHE=${PIP_CACHE_DIR:-$HOME/.cache/pip}
+WHEELHOUSE=${HIVEKEEPER_CACHE:-$HOME/.cache/hivekeeper}/wheels
 # Bumped whenever this script changes what it writes: the archives' keys include it.
-FORMAT=1
+FORMAT=2
 
 while [ $# -gt 0 ]; do
   case $1 in
@@ -234,10 +235,15 @@ export_archive() { # ref archive key
 build_image() {
   local t log_file
   build_base
-  mkdir -p "$HOST_PIP_CACHE" "$CACHE/logs"
+  mkdir -p "$CACHE/logs"
   log_file=$CACHE/logs/build-$(date +%Y%m%d-%H%M%S).log
   find "$CACHE/logs" -name 'build-*.log' -mtime +7 -delete
-  local mounts=(--volume "$HOST_PIP_CACHE:/root/.cache/pip" --build-arg PIP_CACHE_DIR=/root/.cache/pip)
+  local mounts=()
+  if compgen -G "$WHEELHOUSE/torch-*.whl" >/dev/null; then
+    mounts+=(--volume "$WHEELHOUSE:/wheels:ro" --build-arg WHEELHOUSE=/wheels)
+  else
+    log "image: no wheelhouse in $WHEELHOUSE (scripts/install.sh fills it): pip downloads from the index"
+  fi
   # Behind a TLS-intercepting proxy only the host's CA bundle is trusted: lend it to the build
   # (a mount over the image's own bundle, for the RUN steps only).
   if [ -s /etc/ssl/certs/ca-certificates.crt ]; then
@@ -259,7 +265,7 @@ build_image() {
        / --> Using cache / { if (step ~ /: (RUN|COPY|ADD) /) printf "  reused          %s\n", substr(step, 1, 100); step = ""; next }
        / --> / && step != "" { if (step ~ /: (RUN|COPY|ADD) /) printf "  ran   %7.1f s  %s\n", $1 - t0, substr(step, 1, 100); step = "" }' \
     "$log_file" >&2 || true
-  log "image: built $IMAGE in $(since "$t"); pip took $(grep -c 'Using cached' "$log_file" || true) files from the host's pip cache ($HOST_PIP_CACHE)"
+  log "image: built $IMAGE in $(since "$t")"
   # Drop images nothing uses any more (an earlier build's last layers); the cached steps stay.
   buildah "${STORE[@]}" rmi --prune >/dev/null 2>&1 || true
 }
