@@ -174,6 +174,28 @@ def test_the_robust_all_or_nothing_runner_voids_the_round_when_a_sender_is_lost(
     assert isinstance(later, Exception) and voided
 
 
+
+def test_the_reducer_the_robust_runner_replaces_is_dropped_without_a_warning(monkeypatch):
+    """hivemind warns "Reducer: received 0.0% of input tensors" when a reducer is collected
+    unfinished; the one robust_runner replaces was never meant to receive anything."""
+    import gc
+
+    from hivemind.averaging import partition
+
+    warned = []
+    monkeypatch.setattr(partition.logger, "warning", lambda message, *a, **k: warned.append(message))
+
+    async def make() -> None:
+        runner = robust_runner(AllOrNothingRunner)(
+            p2p=_P2P(), servicer_type=AllOrNothingRunner, prefix=None, group_id=b"g", tensors=[torch.zeros(64)],
+            ordered_peer_ids=["A", "B", "C"], peer_fractions=(64, 0, 0), part_size_bytes=32 * 4,
+            aggregation=CenteredClip())
+        runner.tensor_part_reducer.finished.set()  # the reducer in use, as a completed round leaves it
+
+    asyncio.run(make())
+    gc.collect()
+    assert not [m for m in warned if "Reducer: received" in m]
+
 # --- the spec ---------------------------------------------------------------------------------
 
 

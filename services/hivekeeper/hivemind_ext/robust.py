@@ -174,8 +174,11 @@ def robust_runner(base: type[AllReduceRunner]) -> type[AllReduceRunner]:
         def __init__(self, *args: Any, aggregation: Optional[CenteredClip] = None, **kwargs: Any):
             super().__init__(*args, **kwargs)
             if aggregation is not None:
-                reducer = self.tensor_part_reducer
-                self.tensor_part_reducer = ClippingPartReducer(reducer.part_shapes, reducer.num_senders, aggregation)
+                replaced = self.tensor_part_reducer
+                self.tensor_part_reducer = ClippingPartReducer(replaced.part_shapes, replaced.num_senders, aggregation)
+                # Marked finished, so that its finalize at garbage collection does not warn
+                # "Reducer: received 0.0% of input tensors" for a reducer nobody sent to.
+                replaced.finished.set()
 
     RobustRunner.__name__ = RobustRunner.__qualname__ = f"Robust{base.__name__}"
     return RobustRunner
