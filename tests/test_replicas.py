@@ -52,3 +52,19 @@ def test_the_reference_is_the_replica_most_members_hold_then_the_latest():
     assert replica_verdict([a, b], [5, 5], [True, False]).agreed  # the other is not judged (an auxiliary)
     assert replica_verdict([a, a], [5, 5], everyone[:2]).agreed
     assert TOLERANCE < 1e-2
+
+
+def test_among_replicas_held_alike_the_reference_is_the_one_nearest_the_others():
+    """After a round that failed for everyone, each member stepped alone: two honest members a
+    small step apart, a hostile one far off (its gradient scaled by -10). However the epochs and
+    the group's order fall, the reference is an honest replica, the one nearest the others."""
+    params = model_parameters()
+    step = [0.01 * torch.randn_like(p) for p in params]
+    honest = fingerprint([p - s for p, s in zip(params, step)])
+    other_honest = fingerprint([p - 1.2 * s for p, s in zip(params, step)])
+    hostile = fingerprint([p + 10 * s for p, s in zip(params, step)])
+    everyone = [True] * 3
+    assert replica_verdict([hostile, honest, other_honest], [6, 5, 5], everyone).diverged == {0, 2}
+    assert replica_verdict([other_honest, hostile, honest], [5, 5, 5], everyone).diverged == {0, 1}
+    # two replicas held alike: nearer is no reason (each is as near the other), the epoch decides
+    assert replica_verdict([hostile, honest], [6, 5], everyone[:2]).diverged == {1}

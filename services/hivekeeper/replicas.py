@@ -56,6 +56,11 @@ class Fingerprint:
         bound = TOLERANCE * max(self.norm, other.norm, 1e-12)
         return all(abs(a - b) <= bound for a, b in zip(self.projections, other.projections))
 
+    def distance(self, other: "Fingerprint") -> float:
+        """How far apart the two replicas are, estimated from the projections (random
+        projections keep distances, roughly, with so few of them)."""
+        return math.dist(self.projections, other.projections)
+
 
 class _Projector:
     """The sampled elements and projection weights of one parameter layout, made once."""
@@ -110,8 +115,12 @@ def replica_verdict(fingerprints: Sequence[Optional[Fingerprint]], epochs: Seque
                     judged: Sequence[bool]) -> ReplicaVerdict:
     """The group's verdict from its members' gathered fingerprints and epochs. Only `judged`
     members (those that send data and gathered a fingerprint) are compared. The reference is the
-    replica most judged members hold; a tie goes to the replica at the highest epoch, then to the
-    one held by the member that comes first in the group's order (every member sees the same
+    replica most judged members hold. Among replicas held by equally many, it is the medoid: the
+    one closest to all the others in sum. After a round that failed for everyone, each member
+    stepped alone and all differ; the medoid is then one of the honest majority's replicas, who
+    stepped near each other, never a hostile member's that stepped far away (the honest members
+    reload from the reference, so the choice decides whose model the swarm goes on with). Then
+    the highest epoch, then the member first in the group's order (every member sees the same
     order), so every member reaches the same verdict."""
     classes: list[list[int]] = []  # member indices per replica, in order of first appearance
     for index, (print_, judge) in enumerate(zip(fingerprints, judged)):
@@ -126,9 +135,12 @@ def replica_verdict(fingerprints: Sequence[Optional[Fingerprint]], epochs: Seque
     if len(classes) <= 1:
         return ReplicaVerdict(frozenset())
 
+    held = [i for members in classes for i in members]
+
     def rank(members: list[int]) -> tuple:
+        spread = sum(fingerprints[members[0]].distance(fingerprints[i]) for i in held)
         top_epoch = max((epochs[i] for i in members if isinstance(epochs[i], int)), default=-1)
-        return (len(members), top_epoch, -members[0])
+        return (len(members), -spread, top_epoch, -members[0])
 
     reference = max(classes, key=rank)
     return ReplicaVerdict(frozenset(i for members in classes if members is not reference for i in members))
