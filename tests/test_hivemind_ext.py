@@ -75,3 +75,21 @@ def test_a_downloaded_state_is_loaded_only_whole():
     assert not is_whole({"epoch": 4}, whole)
     assert not is_whole({"epoch": 4, "optimizer_metadata": [{"type": "tensor", "index": "x"}]}, whole)
     assert not is_whole("garbage", whole) and not is_whole(metadata, None)
+
+
+def test_a_loading_replica_waits_only_for_the_step_under_way_and_never_goes_back():
+    """A state one step behind is downloaded again while its donor finishes the step. A state
+    older than the replica's own (hivemind refuses it) or further behind ends the wait; when the
+    newest state anyone holds is more than a step behind, the steps are lost and the replica goes
+    on from the newest, so that a peer restarted from scratch at epoch 0 never becomes the model
+    of a replica at epoch 5, and nobody loads state at every step forever."""
+    from hivekeeper.hivemind_ext.optimizer import load_again, lost_steps
+
+    assert load_again(held=4, loaded=6, global_epoch=7)  # taken, one step behind: wait for the step
+    assert not load_again(held=0, loaded=0, global_epoch=7)  # the newest there is: waiting brings nothing
+    assert not load_again(held=6, loaded=0, global_epoch=7)  # refused: older than its own
+    assert not load_again(held=5, loaded=7, global_epoch=7)  # current
+    assert not load_again(held=5, loaded=None, global_epoch=7)  # nobody shares a state
+    assert lost_steps(held=0, loaded=0, global_epoch=7) and lost_steps(held=5, loaded=0, global_epoch=7)
+    assert not lost_steps(held=6, loaded=0, global_epoch=7)  # its own is one behind: hivemind catches up
+    assert not lost_steps(held=0, loaded=6, global_epoch=7) and not lost_steps(held=0, loaded=None, global_epoch=7)

@@ -165,6 +165,22 @@ EXACT_STATE_SECONDS = 30.0  # how long a loading peer insists on the collaborati
 EXACT_STATE_RETRY = 0.25
 
 
+def load_again(held: int, loaded: Optional[int], global_epoch: int) -> bool:
+    """Whether a replica whose parameters were at epoch `held` before it downloaded a state at
+    epoch `loaded` (None: it got none) should download again: only when it took the state
+    (hivemind refuses one older than its own) and its donor is still finishing the
+    collaboration's step. Donors are tried newest first, so a state further behind means that
+    nobody holds a newer one, and waiting brings none."""
+    return loaded is not None and held <= loaded == global_epoch - 1
+
+
+def lost_steps(held: int, loaded: Optional[int], global_epoch: int) -> bool:
+    """Whether the newest state any peer could give is more than a step behind the
+    collaboration: whoever held the current one left (a restarted trainer's peers may hold
+    only the state it started from). hivemind then loads state at every step, forever."""
+    return loaded is not None and max(held, loaded) < global_epoch - 1
+
+
 class InstrumentedOptimizer(hivemind.Optimizer):
     """hivemind's Optimizer feeding SwarmMetrics, with the guards in the module docstring."""
 
@@ -258,25 +274,43 @@ class InstrumentedOptimizer(hivemind.Optimizer):
         previous parameters: its gradients then averaged with a step it never took, and in a
         demo run with a restarted trainer most later rounds lost it. Here a state behind the
         global step is downloaded again (its donor has usually finished the step by then),
-        for up to `EXACT_STATE_SECONDS`; after that hivemind's catching up stands."""
+        for up to `EXACT_STATE_SECONDS`; after that hivemind's catching up stands. A state
+        older than this replica's own, which hivemind refuses, ends the wait: donors are tried
+        newest first, so nobody holds a newer one (say a peer restarted from scratch while the
+        one that held the current state died)."""
         self.state_loads += 1
         self.metrics.state_loads.inc()
         began, deadline = time.perf_counter(), time.monotonic() + EXACT_STATE_SECONDS
+        held = self.local_epoch  # the epoch this replica's parameters are at
         super().load_state_from_peers(**kwargs)
         while True:
             loaded = self.state_averager.loaded_epoch
-            if loaded is None or loaded >= self.tracker.global_epoch or time.monotonic() > deadline:
+            if not load_again(held, loaded, self.tracker.global_epoch) or time.monotonic() > deadline:
                 break
-            log.info("state one step behind the collaboration; loading it again",
+            held = loaded
+            log.info("the state loaded is behind the collaboration; loading it again",
                      extra={"fields": {"loaded_epoch": loaded, "global_epoch": self.tracker.global_epoch}})
             time.sleep(EXACT_STATE_RETRY)
             self.state_averager.local_epoch = loaded  # undo the renumbering, or the next state is refused
             super().load_state_from_peers(**kwargs)
+        if lost_steps(held, self.state_averager.loaded_epoch, self.tracker.global_epoch):
+            log.warning("no peer holds the collaboration's state any more; going on from the newest one held",
+                        extra={"fields": {"epoch": self.local_epoch, "global_epoch": self.tracker.global_epoch}})
+            self._renumber(self.tracker.global_epoch)
         if self._out_of_sync:
             self._out_of_sync = False
             self.state_averager.allow_state_sharing = not self.auxiliary
         self.stalled_seconds += time.perf_counter() - began
         self.clock.restart(time.time())
+
+    def _renumber(self, epoch: int) -> None:
+        """This replica's state counts as the collaboration's at `epoch` (as hivemind's catching up)."""
+        self.state_averager.local_epoch = epoch
+        self.tracker.report_local_progress(local_epoch=epoch, samples_accumulated=0)
+        if not self.client_mode:
+            self.state_averager.state_sharing_priority = epoch
+            if self.use_gradient_averaging:
+                self.grad_averager.state_sharing_priority = epoch
 
     def _should_load_state_from_peers(self) -> bool:
         return self._out_of_sync or super()._should_load_state_from_peers()
