@@ -91,9 +91,10 @@ def test_swarm_from_apply_to_succeeded(cluster: Cluster, release: str):
     cluster.apply(swarm_manifest())
     try:
         # Running needs a trainer's pod Ready too: the kubelet's probe can mark it a few seconds
-        # after its first step (seen in CI: step 1 while the Swarm still read Pending).
-        wait_for(lambda: (s := status()).get("globalStep", 0) >= 1 and s.get("phase") == "Running", 420,
-                 "the first global step, Running", interval=2)
+        # after its first step (seen in CI: step 1 while the Swarm still read Pending). The
+        # monitor's samples/s reads 0 until it has watched the swarm for 5 s.
+        wait_for(lambda: (s := status()).get("globalStep", 0) >= 1 and s.get("phase") == "Running"
+                 and s.get("samplesPerSecond"), 420, "the first global step, Running, a rate", interval=2)
         columns = printed_columns(cluster)
         assert columns["PHASE"] == "Running" and int(columns["STEP"]) >= 1, columns
         assert float(columns["SAMPLES/S"]) > 0, columns
