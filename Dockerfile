@@ -48,13 +48,13 @@ RUN if [ -n "$WHEELHOUSE" ]; then index="--no-index --find-links $WHEELHOUSE"; \
     else index="--index-url $TORCH_INDEX_URL"; fi \
     && pip install $index "torch==${TORCH_VERSION}"
 
-# The dependencies, read from pyproject.toml (tomllib: Python >= 3.11): the build backend,
-# [project] dependencies and the operator extra; only this list reaches the image's next layers.
+# The dependencies, read from pyproject.toml by scripts/requirements.py (the list install.sh
+# fills the wheelhouse from): the build backend, [project] dependencies and the operator extra;
+# only this list reaches the image's next layers.
 FROM python-torch AS requirements
 COPY pyproject.toml /tmp/
-RUN python3 -c 'import tomllib; p = tomllib.load(open("/tmp/pyproject.toml", "rb")); \
-print("\n".join(p["build-system"]["requires"] + p["project"]["dependencies"] + p["project"]["optional-dependencies"]["operator"]))' \
-        > /tmp/requirements.txt
+COPY scripts/requirements.py /tmp/scripts/
+RUN python3 /tmp/scripts/requirements.py operator > /tmp/requirements.txt
 
 # torch==X is already met by X+cpu. hivemind from its wheel only: the sdist would download p2pd
 # at build time.

@@ -24,7 +24,8 @@
 #   storage/           buildah's storage (overlay; storage-vfs/ where overlay does not work): the
 #                      base image and the build's layers (--layers), so an unchanged step is reused
 #   archives/          the archives, each with a .key (a hash of everything the image is made of:
-#                      Dockerfile, .dockerignore, pyproject.toml, README.md, services/, operator/,
+#                      Dockerfile, .dockerignore, pyproject.toml, README.md, LICENSE,
+#                      scripts/requirements.py, services/, operator/,
 #                      the build args), so an unchanged tree rebuilds and rewrites nothing
 # pip in the build installs from the wheelhouse scripts/install.sh fills ($CACHE/../wheels, mounted
 # read-only, never in the image), so nothing is downloaded a second time; without one, from the
@@ -90,7 +91,7 @@ BASE_REF=localhost/hivekeeper-base:$SUITE-$BASE_KEY
 # What COPY brings into the image: .dockerignore leaves out __pycache__ and *.egg-info.
 tree_files() {
   local top=() f
-  for f in Dockerfile .dockerignore pyproject.toml README.md services operator; do
+  for f in Dockerfile .dockerignore pyproject.toml README.md LICENSE scripts/requirements.py services operator; do
     [ -e "$ROOT/$f" ] && top+=("$f")
   done
   (cd "$ROOT" && find "${top[@]}" \( -name __pycache__ -o -name '*.egg-info' \) -prune -o -type f -print0 | LC_ALL=C sort -z)
