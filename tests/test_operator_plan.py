@@ -280,7 +280,10 @@ def test_dockerfile_builds_one_non_root_image_with_the_hivekeeper_entrypoint():
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11", text, re.M)
     pinned = re.search(r'"torch==([\d.]+)"', (REPO / "pyproject.toml").read_text()).group(1)
     assert re.search(rf"^ARG TORCH_VERSION={re.escape(pinned)}$", text, re.M)
-    assert '["optional-dependencies"]["operator"]' in text and "--only-binary=hivemind" in text
+    assert "scripts/requirements.py operator" in text and "--only-binary=hivemind" in text
+    listed = subprocess.run([sys.executable, str(REPO / "scripts/requirements.py"), "operator"], capture_output=True,
+                            text=True, check=True).stdout.split()
+    assert any(line.startswith("kopf==") for line in listed) and f"torch=={pinned}" in listed
 
 
 def test_the_entrypoints_start():
