@@ -68,9 +68,10 @@ def children(pid: int) -> list[int]:
 
 
 def role_process(runner: subprocess.Popen, name: str) -> Optional[Proc]:
-    """The runner's child that runs role `name` (`hivekeeper run COMPONENT --index I ...`)."""
+    """The process that runs role `name` (`hivekeeper run COMPONENT --index I ...`): a child of
+    the runner's fork server."""
     component, index = name.rsplit("-", 1)
-    for pid in children(runner.pid):
+    for pid in (role for server in children(runner.pid) for role in children(server)):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:

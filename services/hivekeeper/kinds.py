@@ -10,6 +10,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from hivekeeper.runtime import arguments
 from hivekeeper.runtime.arguments import RoleEntry
 from hivekeeper.spec import Manifest
 from hivekeeper.spec.storage import VolumeClaimSpec
@@ -82,3 +83,18 @@ def runtime(kind: str) -> KindRuntime:
     if kind not in KIND_MODULES:
         raise KeyError(f"no runtime for kind {kind!r}")
     return importlib.import_module(KIND_MODULES[kind]).RUNTIME
+
+
+# The roles that let volunteers in, which every kind that takes them runs.
+ACCESS_ROLES = {
+    "relay": RoleEntry("hivekeeper.volunteer.relay", (arguments.peer_access, arguments.relay)),
+    "auth": RoleEntry("hivekeeper.volunteer.token_service", (arguments.token_service,)),
+}
+
+
+def all_roles() -> dict[str, RoleEntry]:
+    """Every `hivekeeper run` role: every kind's and the access roles."""
+    roles: dict[str, RoleEntry] = {}
+    for kind in KIND_MODULES:
+        roles.update(runtime(kind).role_modules)
+    return {**roles, **ACCESS_ROLES}

@@ -8,21 +8,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from hivekeeper.kinds import KIND_MODULES, runtime
+from hivekeeper.kinds import all_roles
 from hivekeeper.runtime import arguments, lifeline
-from hivekeeper.runtime.arguments import RoleEntry
-
-ACCESS_ROLES = {
-    "relay": RoleEntry("hivekeeper.volunteer.relay", (arguments.peer_access, arguments.relay)),
-    "auth": RoleEntry("hivekeeper.volunteer.token_service", (arguments.token_service,)),
-}
-
-
-def all_roles() -> dict[str, RoleEntry]:
-    roles: dict[str, RoleEntry] = {}
-    for kind in KIND_MODULES:
-        roles.update(runtime(kind).role_modules)
-    return {**roles, **ACCESS_ROLES}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,7 +1,11 @@
-"""Supervised child processes for `hivekeeper up`: start each role, restart a crashed one with
-exponential backoff, and stop them all (SIGTERM, then SIGKILL of the whole process group, which
-takes any p2pd a child left behind) within a deadline. Each child is told the supervisor's pid
-(lifeline.SUPERVISOR_ENV), so that it stops by itself if the supervisor is killed."""
+"""Supervised child processes for `hivekeeper up` and `join`: start each role, restart a crashed
+one with exponential backoff, and stop them all (SIGTERM, then SIGKILL of the whole process
+group, which takes any p2pd a child left behind) within a deadline.
+
+Roles are forked from a fork server that has imported their modules once (`forkserver`), on
+Linux; elsewhere, with HIVEKEEPER_FORKSERVER=0 or a command of the caller's own, each is a fresh
+interpreter. Each child is told the pid of its parent, the supervisor or its fork server
+(lifeline.SUPERVISOR_ENV), so that it stops by itself once that is gone."""
 
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from hivekeeper.local import forkserver
+from hivekeeper.local.forkserver import ForkedProcess, ForkServer
 from hivekeeper.runtime.lifeline import STOP_GRACE_SECONDS, SUPERVISOR_ENV
 from hivekeeper.topology import Role
 
@@ -30,7 +36,7 @@ STABLE_SECONDS = 60.0  # a child that ran this long gets its backoff reset
 class Child:
     role: Role
     log_path: Path
-    process: Optional[subprocess.Popen] = None
+    process: Optional[subprocess.Popen | ForkedProcess] = None
     restarts: int = 0
     started_at: float = 0.0
     next_start: float = 0.0
@@ -53,8 +59,12 @@ class Supervisor:
         self.host = host  # where the children serve /readyz and /metrics
         self.command = list(command or [sys.executable, "-m", "hivekeeper", "run"])
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env.pop(SUPERVISOR_ENV, None)
         log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
         self.children = [Child(role, log_dir / f"{role.name}.log") for role in roles]
+        self.forks = command is None and forkserver.available()
+        self._server: Optional[ForkServer] = None
 
     def start(self, ready_first: Callable[[Role], bool] = lambda role: False, ready_timeout: float = 60.0) -> None:
         """Start every child; the roles `ready_first` picks (the backbone, which the others
@@ -76,14 +86,34 @@ class Supervisor:
                 self._spawn(child)
 
     def _spawn(self, child: Child) -> None:
-        with open(child.log_path, "ab") as log_file:
-            # Its own session: Ctrl-C reaches only the runner, which then stops children in order,
-            # and killpg() reaches the child's p2pd too.
-            child.process = subprocess.Popen(
-                [*self.command, *child.role.args], stdout=log_file, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env={**self.env, SUPERVISOR_ENV: str(os.getpid())}, start_new_session=True,
-            )
+        # Its own session: Ctrl-C reaches only the runner, which then stops children in order,
+        # and killpg() reaches the child's p2pd too.
+        if self.forks:
+            try:
+                server = self._fork_server()
+                child.process = server.spawn(["run", *child.role.args], child.log_path,
+                                             {**self.env, SUPERVISOR_ENV: str(server.pid)})
+            except OSError as e:
+                log.warning("%s; every role starts as a fresh interpreter from now on (see %s)", e,
+                            self.log_dir / "forkserver.log")
+                self.forks = False
+        if not self.forks:
+            with open(child.log_path, "ab") as log_file:
+                child.process = subprocess.Popen(
+                    [*self.command, *child.role.args], stdout=log_file, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, env={**self.env, SUPERVISOR_ENV: str(os.getpid())},
+                    start_new_session=True,
+                )
         child.started_at = time.monotonic()
+
+    def _fork_server(self) -> ForkServer:
+        """The fork server, started (again, if it died) with the modules of every role."""
+        if self._server is None or not self._server.alive:
+            if self._server is not None:
+                log.warning("the fork server (pid %s) is gone; starting another", self._server.pid)
+            components = list(dict.fromkeys(child.role.args[0] for child in self.children))
+            self._server = ForkServer(components, self.log_dir / "forkserver.log", self.env)
+        return self._server
 
     def poll(self) -> list[Child]:
         """Restart crashed children whose backoff has passed; return children that completed the run."""
@@ -139,6 +169,8 @@ class Supervisor:
                     child.process.wait(2.0)
                 except subprocess.TimeoutExpired:
                     pass
+        if self._server is not None:
+            self._server.close()
 
 
 def _is_ready(host: str, port: Optional[int]) -> bool:
