@@ -43,7 +43,7 @@ mkdir -p "$CACHE"
 exec 8>"$CACHE/.install.lock"  # two checkouts installing at once share one wheelhouse
 flock 8
 
-if [ "$("$TOOLS/bin/uv" --version 2>/dev/null)" != "uv $UV_VERSION" ]; then
+if [ "$("$TOOLS/bin/uv" --version 2>/dev/null | cut -d' ' -f1-2)" != "uv $UV_VERSION" ]; then  # "uv 0.13.8 (target)"
   echo "installing uv $UV_VERSION into $TOOLS"
   "$PYTHON" -m venv "$TOOLS"
   "$TOOLS/bin/python" -m pip install --quiet --disable-pip-version-check "uv==$UV_VERSION"
