@@ -128,7 +128,16 @@ class Run:
 
     def kill_runner(self, names: list[str]) -> list[Proc]:
         """SIGKILL the runner once every role is ready; what of the run is left after RUNNER_SECONDS."""
-        self.stop_runner_when(lambda: all(self.ready(name) for name in names), "every role ready")
+        not_ready = list(names)
+
+        def every_role_ready() -> bool:
+            not_ready[:] = [name for name in names if not self.ready(name)]
+            return not not_ready
+
+        try:
+            self.stop_runner_when(every_role_ready, "every role ready")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; not ready: {', '.join(not_ready)}") from None
         procs = [p for child in children(self.runner.pid) for p in tree(child)]  # nothing starts now
         self.seen.update(procs)
         os.kill(self.runner.pid, signal.SIGKILL)

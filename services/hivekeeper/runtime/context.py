@@ -16,6 +16,9 @@ from hivekeeper.spec import Manifest
 from hivekeeper.topology import host_protocol
 
 log = logging.getLogger("hivekeeper")
+# A DHT process normally answers in seconds, even on a loaded 2-core host; one that has not
+# after this long is stuck (a bootstrap that never returns) and is replaced, as a failed one is.
+DHT_START_SECONDS = 90.0
 SpecT = TypeVar("SpecT")
 
 
@@ -127,13 +130,14 @@ class RoleContext(Generic[SpecT]):
             use_auto_relay=bool(relays),
             trusted_relays=relays or None,
             authorizer=authorizer,
-            start=True,
+            start=False,
             # Ctrl-C reaches every process in the terminal's group; we shut the DHT down ourselves.
             daemon=True,
             # autorelay reserves a slot only once AutoNAT finds us private, which it never does
             # where every address is private (AutoNAT dials back public ones only): say so
             **{"force_reachability": "private" if relays else None, **p2p_options},
         )
+        _start_dht(dht, DHT_START_SECONDS)
         if args.initial_peers:  # a bootstrap peer that restarts learns of this one again
             from hivekeeper.hivemind_ext.dht_rejoin import keep_bootstrap_peers
             from hivekeeper.runtime.bandwidth import peer_ids_of
@@ -161,3 +165,27 @@ class RoleContext(Generic[SpecT]):
 
     def stop_requested(self, dht) -> dict[str, Any] | None:
         return reports.read_stop(dht, self.run_id)
+
+
+def _start_dht(dht: Any, timeout: float) -> None:
+    """Start the DHT's process and wait until it is ready, at most `timeout` seconds. A process
+    that is not is killed (its p2pd goes with it: lifeline) and the start fails as a failed
+    bootstrap does, which make_dht retries; its state is logged first, for whoever reads why."""
+    try:
+        dht.run_in_background(await_ready=True, timeout=timeout)
+    except TimeoutError:
+        state = _process_state(dht.pid)
+        dht.kill()
+        dht.join(5)
+        raise RuntimeError(f"the DHT process did not finish its bootstrap in {timeout:.0f}s ({state}); "
+                           "it was killed") from None
+
+
+def _process_state(pid: int | None) -> str:
+    """A process's state and where it waits in the kernel, as /proc tells them."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+        wchan = open(f"/proc/{pid}/wchan").read() or "-"
+        return f"pid {pid}, state {stat[stat.rindex(')') + 2]}, waiting in {wchan}"
+    except (OSError, ValueError):
+        return f"pid {pid}"
