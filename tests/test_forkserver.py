@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from conftest import descendants, wait_for
 from hivekeeper.local.forkserver import ForkServer
 from hivekeeper.local.supervisor import Supervisor
 
@@ -25,9 +25,18 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "swarm-digits.yaml"
 
 @pytest.fixture
 def server(tmp_path):
+    """A fork server; whatever it started is killed at the end (a child a failed test left
+    waiting on its FIFO too)."""
     started = ForkServer(["backbone"], tmp_path / "forkserver.log", {**os.environ, "PYTHONUNBUFFERED": "1"})
-    yield started
-    started.close()
+    try:
+        yield started
+    finally:
+        for pid in descendants(started.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        started.close()
     assert started.process.returncode == 0, (tmp_path / "forkserver.log").read_text()
 
 
