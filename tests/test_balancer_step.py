@@ -149,6 +149,29 @@ def test_a_peer_joining_or_leaving_gets_a_new_plan(swarm):
     assert swarm.counter("hivekeeper_plans_total") == 3
 
 
+def test_peers_measuring_their_rates_are_planned_with_the_rest_in_one_switch(swarm):
+    """A trainer that has reported but not measured its speed yet holds the plan back for up
+    to replanSeconds (10 s): a plan without it, then one with it, would be two switches, and
+    peers split their groups at each."""
+    swarm.join("trainer-0", 50.0, FAST)
+    swarm.join("trainer-1", 0.0, FAST)  # in the DHT, no samples/s yet
+    swarm.clock[0] += 1.0
+    swarm.balancer.step(swarm.dht, swarm.source)
+    assert plan_key(swarm.dht.run_id) not in swarm.dht.stored
+    assert "trainer-1" in swarm.balancer.ctx.status["waitingFor"] and swarm.balancer.waiting
+    swarm.change("trainer-1", samples_per_second=50.0)
+    first = swarm.step(seconds_later=1.0)
+    assert {p.name for p in first.peers} == {"trainer-0", "trainer-1"} and not swarm.balancer.waiting
+    # a peer leaves as one arrives: the plan changes once the newcomer has measured...
+    del swarm.dht.reports["id-trainer-1"]
+    swarm.join("trainer-2", 0.0, FAST)
+    assert swarm.step(seconds_later=1.0).digest == first.digest
+    # ...or once it has had replanSeconds to: one that never measures holds nothing back longer
+    later = swarm.step(seconds_later=10.0)
+    assert {p.name for p in later.peers} == {"trainer-0"}
+    assert swarm.counter("hivekeeper_plans_total") == 2
+
+
 def test_drifted_inputs_replace_the_plan_only_when_a_new_one_is_clearly_better(swarm):
     # alone, either trainer makes 80/256 steps/s; together they make more, as fast as they average
     swarm.join("trainer-0", 80.0, FAST)

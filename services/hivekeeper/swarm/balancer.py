@@ -2,7 +2,8 @@
 
 Every `replanSeconds` it reads who is alive from the DHT and what each averaging peer
 measures (samples/s, upload and download rates) from Prometheus or, without one, from the
-peers' /metrics directly; caps the rates by the manifest's declared limits; and re-solves the
+peers' /metrics directly (every second instead while an averaging peer is alive that the plan
+leaves out, waiting for its measurements: a peer outside the plan averages apart from it); caps the rates by the manifest's declared limits; and re-solves the
 averaging plan (`plan_averaging`) when peers joined or left or an input drifted by more than
 `drift`. The plan is signed with the balancer's key and republished with a fresh expiry on
 every pass, so peers drop it within `planTtlSeconds` if the balancer goes away. Its figures
@@ -47,6 +48,7 @@ from hivekeeper.planning.step_clock import StepPhases
 
 log = logging.getLogger("hivekeeper.balancer")
 AVERAGING_ROLES = ("trainer", "auxiliary")
+WAITING_RECHECK_SECONDS = 1.0  # how soon a peer that has just measured its rates is planned
 _BITS = 8 / 1e6  # Mbps in one byte per second
 
 
@@ -171,6 +173,8 @@ class Balancer:
         self.solve_seconds = 0.0
         self.plans_made = 0
         self.step_time: Optional[StepTime] = None
+        self.waiting = True  # an averaging peer is alive that the plan does not name (or no plan yet)
+        self.waiting_since: dict[str, float] = {}  # peer name: when it was first seen waiting
 
     def source(self, dht) -> MetricsSource:
         url = self.ctx.spec.balancer.prometheus_url
@@ -193,7 +197,8 @@ class Balancer:
                     break
                 self.step(dht, source)
                 ctx.publish_report(dht, {"plan": self.plan.digest if self.plan else None})
-                ctx.stop.wait(ctx.spec.balancer.replan_seconds)
+                replan = ctx.spec.balancer.replan_seconds
+                ctx.stop.wait(min(replan, WAITING_RECHECK_SECONDS) if self.waiting else replan)
         finally:
             dht.shutdown()
         return 0
@@ -213,15 +218,22 @@ class Balancer:
             return  # the current plan runs out at its expiry; peers fall back to hivemind's split
         measurements = with_reported(measurements, reports)
         inputs = plan_inputs(self.ctx.spec, measurements, self.num_parameters, alive)
+        self.waiting = inputs is None or bool(inputs.waiting)
         if inputs is None:
             self.ctx.status.update(waitingFor="a computing peer with measured samples/s and bandwidth")
+            return
+        held = self.newly_waiting(inputs.waiting, settings.replan_seconds, get_dht_time())
+        if held and self.plan is None:
+            self.ctx.status.update(waitingFor=f"the rates of {', '.join(held)}")
             return
         overlap = self.ctx.spec.averaging.delayed_parameter_updates
         fixed = self.fixed_costs(inputs, reports)
         reason = "first plan" if self.inputs is None else drifted(self.inputs.problem, inputs.problem, settings.drift)
         now = get_dht_time()
+        # Peers that have just arrived measure their rates within seconds: they are planned with
+        # the rest then, in one switch of plan instead of one now and another then.
         solved = plan_whole_steps(inputs.problem, fixed, overlap, settings.drift) \
-            if reason is not None or fixed is not None else None
+            if not held and (reason is not None or fixed is not None) else None
         if reason is None and solved is not None:
             # the inputs held, but with the fixed costs measured other roles make more whole steps
             reason = None if self.same_roles(solved) else "fixed costs: other roles make more whole steps"
@@ -253,6 +265,12 @@ class Balancer:
         self.plan = with_step(self.plan, self.step_time)
         publish_plan(dht, self.plan, self.key)
         self.export(inputs)
+
+    def newly_waiting(self, waiting: Sequence[str], patience: float, now: float) -> list[str]:
+        """The averaging peers left out for want of measurements that have been so for less than
+        `patience` seconds (one that never measures does not hold the plan back for longer)."""
+        self.waiting_since = {name: self.waiting_since.get(name, now) for name in waiting}
+        return [name for name, since in self.waiting_since.items() if now - since < patience]
 
     def computing_phases(self, reports: Sequence[dict]) -> list[StepPhases]:
         """The step phases of the peers that compute under the current plan (every trainer before one)."""
