@@ -49,17 +49,25 @@ def use_static_relays() -> None:
     _patch("static_relays", change)
 
 
+STOPS_ITS_P2PD = "stops_its_p2pd"  # a thread attribute: see die_with_parent
+
+
 def die_with_parent(prefix: Sequence[str]) -> None:
     """Start every p2pd this process (or a process it forks) starts from its main thread through
     `prefix`, an exec wrapper that sets its parent-death signal to SIGKILL and execs p2pd in the
     same process (hivemind stops it by that pid; `runtime.lifeline.exec_prefix`): a DHT process
     that dies, however it dies, takes its p2pd with it. The kernel sends the signal when the
     thread that started p2pd exits, so a p2pd started from another thread (one that may end
-    before its process) starts as before. Idempotent."""
+    before its process) starts as before, unless that thread is marked as stopping every p2pd it
+    starts before it ends (its STOPS_ITS_P2PD attribute true, as `join`'s relay watchdog).
+    Idempotent."""
     prefix = list(prefix)
 
     def wrap(proc_args: list[str]) -> list[str]:
-        return [*prefix, *proc_args] if threading.current_thread() is threading.main_thread() else proc_args
+        thread = threading.current_thread()
+        if thread is threading.main_thread() or getattr(thread, STOPS_ITS_P2PD, False):
+            return [*prefix, *proc_args]
+        return proc_args
 
     _patch("parent_death", wrap=wrap)
 

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import urllib.request
@@ -88,6 +89,7 @@ def join(options: JoinOptions, console: Console | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     timeline = Timeline(run_dir / "join.json", process_started_at())
     invite = _read_invite(options.token)
+    p2pd_dies_with_this_process()
     swarm = _grant(options.gateway, invite)
     timeline.mark("granted")
     kind, name = swarm.get("kind", "Swarm"), swarm.get("name", "swarm")
@@ -262,6 +264,17 @@ def _read_invite(token: str) -> str:
     except OSError:
         pass
     return token.strip()
+
+
+def p2pd_dies_with_this_process() -> None:
+    """`join` runs p2pd daemons of its own (the connectivity check's, the relay watchdog's):
+    each starts with its parent-death signal set, so that `join` killed with SIGKILL leaves none
+    running (its role, the fork server's child, stops by itself: lifeline)."""
+    if sys.platform.startswith("linux"):
+        from hivekeeper.hivemind_ext.p2pd import die_with_parent
+        from hivekeeper.runtime.lifeline import exec_prefix
+
+        die_with_parent(exec_prefix())
 
 
 def _grant(gateway: str, invite: str) -> dict[str, Any]:

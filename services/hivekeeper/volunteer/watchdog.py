@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
+from hivekeeper.hivemind_ext.p2pd import STOPS_ITS_P2PD
 from hivekeeper.volunteer.reachability import ask
 
 INTERVAL = 10.0
@@ -29,6 +30,7 @@ class RelayWatchdog:
         self._since = time.monotonic()  # when the role (re)started
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="relay-watchdog", daemon=True)
+        setattr(self._thread, STOPS_ITS_P2PD, True)  # _main stops its daemon before the thread ends
 
     def start(self) -> "RelayWatchdog":
         self._thread.start()
