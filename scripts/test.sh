@@ -29,13 +29,16 @@ run() {
 }
 
 # tier NAME PYTEST-ARGS...
+# Tracebacks are Python's own (--tb=native): pytest's, which parse each frame's source with the
+# ast module, hit CPython 3.11's AST recursion-depth bug (python/cpython#106905) now and then,
+# and that INTERNALERROR ends the whole tier at the first failure instead of reporting it.
 tier() {
   local name=$1
   shift
   local junit=()
   [ -n "${HIVEKEEPER_REPORTS:-}" ] && junit=(--junitxml "$HIVEKEEPER_REPORTS/$name.xml")
   echo "=== tier $name ===" >&2
-  phase "tier: $name" run "${junit[@]}" "$@"
+  phase "tier: $name" run --tb=native "${junit[@]}" "$@"
 }
 
 cluster_tier() {
