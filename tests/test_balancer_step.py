@@ -20,7 +20,7 @@ from hivekeeper.planning.step_time import FixedCosts, everyone_computes, whole_s
 from hivekeeper.runtime.context import RoleContext
 from hivekeeper.runtime.reports import PEERS_KEY
 from hivekeeper.spec import load_manifest
-from hivekeeper.swarm.balancer import Balancer
+from hivekeeper.swarm.balancer import SETTLE_SECONDS, Balancer
 from hivekeeper.swarm.metrics_source import MetricsSourceError, PeerMeasurement
 from hivekeeper.swarm.plan_record import SignedPlan, plan_key, verify_plan
 
@@ -80,10 +80,20 @@ class Swarm:
     def change(self, name: str, **fields: float) -> None:
         self.source.peers[name] = replace(self.source.peers[name], **fields)
 
-    def step(self, seconds_later: float = 10.0) -> SignedPlan:
-        """One balancer pass `seconds_later` than the last; the plan as a peer reads it then."""
+    def passes(self, seconds_later: float) -> None:
+        """The balancer's passes until `seconds_later` than the last: one then, and one
+        SETTLE_SECONDS before it if there is room (it reads its inputs every second while peers
+        arrive; two passes are what its rules tell apart)."""
+        if seconds_later > SETTLE_SECONDS:
+            self.clock[0] += seconds_later - SETTLE_SECONDS
+            self.balancer.step(self.dht, self.source)
+            seconds_later = SETTLE_SECONDS
         self.clock[0] += seconds_later
         self.balancer.step(self.dht, self.source)
+
+    def step(self, seconds_later: float = 10.0) -> SignedPlan:
+        """The balancer's passes until `seconds_later` than the last; the plan as a peer reads it then."""
+        self.passes(seconds_later)
         return self.published()
 
     def published(self) -> SignedPlan:
@@ -149,27 +159,43 @@ def test_a_peer_joining_or_leaving_gets_a_new_plan(swarm):
     assert swarm.counter("hivekeeper_plans_total") == 3
 
 
-def test_peers_measuring_their_rates_are_planned_with_the_rest_in_one_switch(swarm):
-    """A trainer that has reported but not measured its speed yet holds the plan back for up
-    to replanSeconds (10 s): a plan without it, then one with it, would be two switches, and
-    peers split their groups at each."""
+def test_a_plan_waits_for_peers_to_arrive_and_measure_and_switches_once(swarm):
+    """Peers of a starting swarm arrive over seconds, and a trainer that has reported has not
+    measured its speed yet: the plan waits until the averaging peers alive have held still for
+    SETTLE_SECONDS and measured (for replanSeconds, 10 s, at most), since a plan without them,
+    then one with them, would be two switches, and peers split their groups at each."""
     swarm.join("trainer-0", 50.0, FAST)
     swarm.join("trainer-1", 0.0, FAST)  # in the DHT, no samples/s yet
-    swarm.clock[0] += 1.0
-    swarm.balancer.step(swarm.dht, swarm.source)
+    swarm.passes(5.0)
     assert plan_key(swarm.dht.run_id) not in swarm.dht.stored
     assert "trainer-1" in swarm.balancer.ctx.status["waitingFor"] and swarm.balancer.waiting
     swarm.change("trainer-1", samples_per_second=50.0)
     first = swarm.step(seconds_later=1.0)
     assert {p.name for p in first.peers} == {"trainer-0", "trainer-1"} and not swarm.balancer.waiting
-    # a peer leaves as one arrives: the plan changes once the newcomer has measured...
+    # a peer leaves as another arrives: the plan holds while they settle and the newcomer measures...
     del swarm.dht.reports["id-trainer-1"]
     swarm.join("trainer-2", 0.0, FAST)
     assert swarm.step(seconds_later=1.0).digest == first.digest
-    # ...or once it has had replanSeconds to: one that never measures holds nothing back longer
+    assert swarm.step(seconds_later=3.0).digest == first.digest
+    # ...for replanSeconds at most: one that never measures holds nothing back longer
     later = swarm.step(seconds_later=10.0)
     assert {p.name for p in later.peers} == {"trainer-0"}
     assert swarm.counter("hivekeeper_plans_total") == 2
+
+
+def test_peers_that_keep_coming_and_going_hold_the_plan_back_for_replan_seconds_at_most(swarm):
+    swarm.join("trainer-0", 50.0, FAST)
+    swarm.join("trainer-1", 50.0, FAST)
+    swarm.passes(1.0)
+    for second in range(2, 12):  # trainer-2 in a crash loop: there one second, gone the next
+        if second % 2:
+            del swarm.dht.reports["id-trainer-2"]
+        else:
+            swarm.join("trainer-2", 50.0, FAST)
+        swarm.passes(1.0)
+        if plan_key(swarm.dht.run_id) in swarm.dht.stored:
+            break
+    assert plan_key(swarm.dht.run_id) in swarm.dht.stored
 
 
 def test_drifted_inputs_replace_the_plan_only_when_a_new_one_is_clearly_better(swarm):

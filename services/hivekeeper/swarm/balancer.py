@@ -2,8 +2,10 @@
 
 Every `replanSeconds` it reads who is alive from the DHT and what each averaging peer
 measures (samples/s, upload and download rates) from Prometheus or, without one, from the
-peers' /metrics directly (every second instead while an averaging peer is alive that the plan
-leaves out, waiting for its measurements: a peer outside the plan averages apart from it); caps the rates by the manifest's declared limits; and re-solves the
+peers' /metrics directly (every second instead while peers arrive, leave or measure their
+rates: a new plan waits until the averaging peers alive have held still for SETTLE_SECONDS and
+have measured, or for replanSeconds at most, since a peer outside the plan averages apart from
+it and each switch of plan splits a round's groups); caps the rates by the manifest's declared limits; and re-solves the
 averaging plan (`plan_averaging`) when peers joined or left or an input drifted by more than
 `drift`. The plan is signed with the balancer's key and republished with a fresh expiry on
 every pass, so peers drop it within `planTtlSeconds` if the balancer goes away. Its figures
@@ -48,7 +50,10 @@ from hivekeeper.planning.step_clock import StepPhases
 
 log = logging.getLogger("hivekeeper.balancer")
 AVERAGING_ROLES = ("trainer", "auxiliary")
-WAITING_RECHECK_SECONDS = 1.0  # how soon a peer that has just measured its rates is planned
+WAITING_RECHECK_SECONDS = 1.0  # how often inputs are read while peers arrive or measure
+# A new plan waits until the averaging peers alive have been the same for this long: peers of a
+# swarm that is starting arrive over seconds, and each switch of plan splits the groups of a round
+SETTLE_SECONDS = 3.0
 _BITS = 8 / 1e6  # Mbps in one byte per second
 
 
@@ -175,6 +180,9 @@ class Balancer:
         self.step_time: Optional[StepTime] = None
         self.waiting = True  # an averaging peer is alive that the plan does not name (or no plan yet)
         self.waiting_since: dict[str, float] = {}  # peer name: when it was first seen waiting
+        self.alive_seen: set[str] = set()  # the averaging peers alive at the last pass...
+        self.alive_changed_at = -math.inf  # ...and since when (DHT time)
+        self.unsettled_since = -math.inf  # when the latest run of changes began
 
     def source(self, dht) -> MetricsSource:
         url = self.ctx.spec.balancer.prometheus_url
@@ -209,6 +217,14 @@ class Balancer:
         settings = self.ctx.spec.balancer
         reports = [r for r in read_peer_reports(dht, self.ctx.run_id) if r.get("role") in AVERAGING_ROLES]
         alive = {r.get("peerId") for r in reports}
+        now = get_dht_time()
+        if alive != self.alive_seen:
+            if now - self.alive_changed_at >= SETTLE_SECONDS:
+                self.unsettled_since = now  # the first change after a quiet spell
+            self.alive_seen, self.alive_changed_at = alive, now
+        # peers that keep coming and going (a role in a crash loop) hold nothing back for long
+        unsettled = (now - self.alive_changed_at < SETTLE_SECONDS
+                     and now - self.unsettled_since < settings.replan_seconds)
         try:
             measurements = source.measure()
         except MetricsSourceError as e:
@@ -218,20 +234,21 @@ class Balancer:
             return  # the current plan runs out at its expiry; peers fall back to hivemind's split
         measurements = with_reported(measurements, reports)
         inputs = plan_inputs(self.ctx.spec, measurements, self.num_parameters, alive)
-        self.waiting = inputs is None or bool(inputs.waiting)
+        self.waiting = inputs is None or bool(inputs.waiting) or unsettled
         if inputs is None:
             self.ctx.status.update(waitingFor="a computing peer with measured samples/s and bandwidth")
             return
-        held = self.newly_waiting(inputs.waiting, settings.replan_seconds, get_dht_time())
+        held = self.newly_waiting(inputs.waiting, settings.replan_seconds, now)
+        if unsettled:
+            held.append(f"the averaging peers to hold still for {SETTLE_SECONDS:.0f} s")
         if held and self.plan is None:
-            self.ctx.status.update(waitingFor=f"the rates of {', '.join(held)}")
+            self.ctx.status.update(waitingFor=", ".join(held))
             return
         overlap = self.ctx.spec.averaging.delayed_parameter_updates
         fixed = self.fixed_costs(inputs, reports)
         reason = "first plan" if self.inputs is None else drifted(self.inputs.problem, inputs.problem, settings.drift)
-        now = get_dht_time()
-        # Peers that have just arrived measure their rates within seconds: they are planned with
-        # the rest then, in one switch of plan instead of one now and another then.
+        # Peers that have just arrived measure their rates within seconds, and in a swarm that is
+        # starting more arrive: they are planned with the rest then, in one switch of plan.
         solved = plan_whole_steps(inputs.problem, fixed, overlap, settings.drift) \
             if not held and (reason is not None or fixed is not None) else None
         if reason is None and solved is not None:
