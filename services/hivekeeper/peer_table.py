@@ -12,16 +12,26 @@ from rich.table import Table
 from hivekeeper.local.progress import describe_round
 
 
+READ_ATTEMPTS = 3  # a client that has just joined may find no report at its first get
+
+
 def read_reports(initial_peers: Sequence[str], swarm: str, authorizer=None) -> list[dict[str, Any]]:
-    """One read of the peers' reports through a short-lived client-mode DHT peer (signing its
-    requests with `authorizer` where the swarm admits peers by token)."""
+    """The peers' reports, read through a short-lived client-mode DHT peer (signing its requests
+    with `authorizer` where the swarm admits peers by token). A read that finds none is tried
+    again, up to READ_ATTEMPTS times a second apart: on a loaded machine the new client's first
+    get can time out before it reaches the peers that store the reports."""
     import hivemind
 
     from hivekeeper.runtime.reports import read_peer_reports
 
     dht = hivemind.DHT(initial_peers=list(initial_peers), client_mode=True, start=True, authorizer=authorizer)
     try:
-        return sorted(read_peer_reports(dht, swarm), key=lambda r: (r.get("role", ""), r.get("name", "")))
+        for attempt in range(READ_ATTEMPTS):
+            reports = read_peer_reports(dht, swarm)
+            if reports or attempt == READ_ATTEMPTS - 1:
+                return sorted(reports, key=lambda r: (r.get("role", ""), r.get("name", "")))
+            time.sleep(1.0)
+        raise AssertionError("unreachable")
     finally:
         dht.shutdown()
 
