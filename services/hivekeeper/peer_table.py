@@ -26,12 +26,13 @@ def read_reports(initial_peers: Sequence[str], swarm: str, authorizer=None) -> l
 
     dht = hivemind.DHT(initial_peers=list(initial_peers), client_mode=True, start=True, authorizer=authorizer)
     try:
-        for attempt in range(READ_ATTEMPTS):
-            reports = read_peer_reports(dht, swarm)
-            if reports or attempt == READ_ATTEMPTS - 1:
-                return sorted(reports, key=lambda r: (r.get("role", ""), r.get("name", "")))
+        reports = read_peer_reports(dht, swarm)
+        for _ in range(READ_ATTEMPTS - 1):
+            if reports:
+                break
             time.sleep(1.0)
-        raise AssertionError("unreachable")
+            reports = read_peer_reports(dht, swarm)
+        return sorted(reports, key=lambda r: (r.get("role", ""), r.get("name", "")))
     finally:
         dht.shutdown()
 

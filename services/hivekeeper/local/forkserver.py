@@ -67,7 +67,6 @@ class ForkedProcess:
     def __init__(self, server: "ForkServer", pid: int):
         self.server, self.pid = server, pid
         self.returncode: Optional[int] = None
-        self.args = pid  # as Popen has it, for TimeoutExpired
 
     def poll(self) -> Optional[int]:
         if self.returncode is None:
