@@ -53,15 +53,16 @@ def write_manifest(directory: Path, changes: dict[str, Any] | None = None, base:
     return path
 
 
-def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
-    """Poll `condition` until it returns something truthy (returned), or fail naming `what`."""
+def wait_for(condition, timeout: float, what: str, interval: float = 0.5, explain=None):
+    """Poll `condition` until it returns something truthy (returned), or fail naming `what` and,
+    with `explain`, what `explain()` says then (say, the status of the role that never got there)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f": {explain()}" if explain else ""))
 
 
 def interrupt_run(runner) -> dict[str, Any]:

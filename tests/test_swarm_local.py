@@ -169,7 +169,7 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
         averaging_peers = ("trainer-0", "trainer-1", "auxiliary-0")
         balancer = wait_for(lambda: (t := http_get(ports(run_dir)["balancer-0"], "/metrics")) and all(
             f'hivekeeper_plan_aggregation_share{{peer="{name}"}}' in t for name in averaging_peers) and t,
-            90, "a plan over every averaging peer")
+            90, "a plan over every averaging peer", explain=lambda: http_get(ports(run_dir)["balancer-0"], "/status"))
         assert metric(balancer, "hivekeeper_plan_steps_per_second") > 0
         shares = [metric(balancer, "hivekeeper_plan_aggregation_share", f'{{peer="{name}"}}')
                   for name in averaging_peers]

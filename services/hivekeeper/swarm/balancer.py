@@ -51,6 +51,7 @@ from hivekeeper.planning.step_clock import StepPhases
 log = logging.getLogger("hivekeeper.balancer")
 AVERAGING_ROLES = ("trainer", "auxiliary")
 WAITING_RECHECK_SECONDS = 1.0  # how often inputs are read while peers arrive or measure
+NO_PLAN_LOG_SECONDS = 30.0  # how often the balancer logs what its first plan still waits for
 # A new plan waits until the averaging peers alive have been the same for this long: peers of a
 # swarm that is starting arrive over seconds, and each switch of plan splits the groups of a round
 SETTLE_SECONDS = 3.0
@@ -183,6 +184,7 @@ class Balancer:
         self.alive_seen: set[str] = set()  # the averaging peers alive at the last pass...
         self.alive_changed_at = -math.inf  # ...and since when (DHT time)
         self.unsettled_since = -math.inf  # when the latest run of changes began
+        self.no_plan_logged_at: Optional[float] = None  # the first wait starts the clock
 
     def source(self, dht) -> MetricsSource:
         url = self.ctx.spec.balancer.prometheus_url
@@ -236,13 +238,13 @@ class Balancer:
         inputs = plan_inputs(self.ctx.spec, measurements, self.num_parameters, alive)
         self.waiting = inputs is None or bool(inputs.waiting) or unsettled
         if inputs is None:
-            self.ctx.status.update(waitingFor="a computing peer with measured samples/s and bandwidth")
+            self.no_plan_yet("a computing peer with measured samples/s and bandwidth", reports, measurements, now)
             return
         held = self.newly_waiting(inputs.waiting, settings.replan_seconds, now)
         if unsettled:
             held.append(f"the averaging peers to hold still for {SETTLE_SECONDS:.0f} s")
         if held and self.plan is None:
-            self.ctx.status.update(waitingFor=", ".join(held))
+            self.no_plan_yet(", ".join(held), reports, measurements, now)
             return
         overlap = self.ctx.spec.averaging.delayed_parameter_updates
         fixed = self.fixed_costs(inputs, reports)
@@ -282,6 +284,19 @@ class Balancer:
         self.plan = with_step(self.plan, self.step_time)
         publish_plan(dht, self.plan, self.key)
         self.export(inputs)
+
+    def no_plan_yet(self, waiting_for: str, reports: Sequence[dict], measured: Sequence[PeerMeasurement],
+                    now: float) -> None:
+        """Says in the status what the first plan waits for, and in the log every NO_PLAN_LOG_SECONDS
+        while it does: a swarm that averages on hivemind's split for long wants an explanation."""
+        self.ctx.status.update(waitingFor=waiting_for)
+        if self.no_plan_logged_at is None:
+            self.no_plan_logged_at = now
+        elif now - self.no_plan_logged_at >= NO_PLAN_LOG_SECONDS:
+            self.no_plan_logged_at = now
+            log.info("no plan yet", extra={"fields": {
+                "waiting_for": waiting_for, "averaging_reports": len(reports), "measured": len(measured),
+                "unmeasured": sorted(m.name for m in measured if not m.samples_per_second and m.role == "trainer")}})
 
     def newly_waiting(self, waiting: Sequence[str], patience: float, now: float) -> list[str]:
         """The averaging peers left out for want of measurements that have been so for less than
