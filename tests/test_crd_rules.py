@@ -127,6 +127,12 @@ VARIANTS = {  # manifests whose defaults are easy to get wrong
     "Swarm, the balancer off by hand": ("Swarm", {"spec": {"balancer": {"enabled": False}}}),
     "Swarm, group sized for volunteers": (
         "Swarm", {"spec": {"averaging": {"targetGroupSize": 9}, "volunteers": {"enabled": True, "allowlist": ["a"]}}}),
+    "Swarm, a lab pooling trainers and a backbone": (
+        "Swarm", {"spec": {"volunteers": {"enabled": True, "labs": [
+            {"name": "lab-b", "maxPeers": 8, "roles": ["trainer", "backbone"]}]}}}),
+    "BlockServer, a lab of servers": (
+        "BlockServer", {"spec": {"volunteers": {"enabled": True, "labs": [
+            {"name": "lab-b", "maxPeers": 2, "roles": ["server"]}]}}}),
     "BlockServer, an empty spec": ("BlockServer", {"spec": {}}),
     "BlockServer, an empty model": ("BlockServer", {"spec": {"model": {}}}),
     "BlockServer, a checkpoint": ("BlockServer", {"spec": {"model": {"tiny": None, "checkpoint": "/models/lm"},
@@ -234,6 +240,15 @@ CROSS_FIELD: dict[str, dict[str, tuple[dict[str, Any], str]]] = {
         "shifts not between merges": ({"averaging": {"mode": "ties", "shiftEverySteps": 10}, "auxiliary": {"replicas": 0}},
                                       "spec.averaging.shiftEverySteps"),
         "volunteers nobody may be": ({"volunteers": {"enabled": True}}, "spec.volunteers.allowlist"),
+        "a lab running servers": ({"volunteers": {"labs": [{"name": "b", "maxPeers": 1, "roles": ["server"]}]}},
+                                  "spec.volunteers.labs"),
+        "a lab named twice": ({"volunteers": {"labs": [{"name": "b", "maxPeers": 1, "roles": ["trainer"]},
+                                                       {"name": "b", "maxPeers": 2, "roles": ["backbone"]}]}},
+                              "spec.volunteers.labs"),
+        "a lab on the allowlist too": ({"volunteers": {"allowlist": ["b"], "labs": [
+            {"name": "b", "maxPeers": 1, "roles": ["trainer"]}]}}, "spec.volunteers.labs"),
+        "a lab naming a role twice": ({"volunteers": {"labs": [
+            {"name": "b", "maxPeers": 1, "roles": ["trainer", "trainer"]}]}}, "spec.volunteers.labs[0].roles"),
         "node ports without a public host": (
             {"volunteers": {"enabled": True, "allowlist": ["a"], "serviceType": "NodePort", "relayPort": 31000,
                             "gatewayPort": 31100}}, "spec.volunteers.publicHost"),
@@ -278,6 +293,8 @@ CROSS_FIELD: dict[str, dict[str, tuple[dict[str, Any], str]]] = {
         "prompt and new tokens beyond a session": ({"client": {"newTokens": 500}}, "spec.client.newTokens"),
         "span longer than the model": ({"servers": {"spanLength": 7}}, "spec.servers.spanLength"),
         "session longer than the cache": ({"servers": {"maxSessionTokens": 8192}}, "spec.servers.maxSessionTokens"),
+        "a lab running trainers": ({"volunteers": {"labs": [{"name": "b", "maxPeers": 1, "roles": ["trainer"]}]}},
+                                   "spec.volunteers.labs"),
         "a model volume with a claim and a source": (
             {"model": {"tiny": None, "checkpoint": "/models/lm",
                        "volume": {"existingClaim": "lab", "source": {"nfs": {"server": "nas", "path": "/m"}}}}},
@@ -288,6 +305,8 @@ CROSS_FIELD: dict[str, dict[str, tuple[dict[str, Any], str]]] = {
     },
     "ExpertPool": {
         "a task other than digits": ({"task": {"name": "causal-lm"}}, "spec.task.name"),
+        "a lab running auxiliaries": ({"volunteers": {"labs": [{"name": "b", "maxPeers": 1, "roles": ["auxiliary"]}]}},
+                                      "spec.volunteers.labs"),
         "kMin above kBest": ({"trainers": {"dmoe": {"kMin": 5}}}, "spec.trainers.dmoe.kMin"),
         "kBest above the grid": ({"grid": {"dimensions": [3]}}, "spec.trainers.dmoe.kBest"),
         "kBest above the experts the servers hold": ({"servers": {"expertsPerServer": 1}}, "spec.trainers.dmoe.kBest"),

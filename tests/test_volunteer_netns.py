@@ -28,6 +28,7 @@ from netns import NatLab, skip_unless_possible
 pytestmark = [pytest.mark.swarm, pytest.mark.netns]
 
 VOLUNTEER = "alice"
+LAB = "lab-b"
 NAME = "hkt-volunteers"
 MANIFEST = {  # over examples/swarm-digits-volunteers.yaml
     "metadata": {"name": NAME},
@@ -45,7 +46,8 @@ MANIFEST = {  # over examples/swarm-digits-volunteers.yaml
         # reads the volunteer's own DHT report
         "balancer": {"replanSeconds": 5},
         "stopping": {"targetSteps": 100_000, "targetMetric": None},  # the tests end the run
-        "volunteers": {"allowlist": [VOLUNTEER]},
+        # a lab's machine joins in direct mode (test_direct_volunteer_contributes)
+        "volunteers": {"allowlist": [VOLUNTEER], "labs": [{"name": LAB, "maxPeers": 2, "roles": ["trainer"]}]},
     },
 }
 
@@ -236,11 +238,12 @@ def cluster(tmp_path_factory):
 class Volunteer:
     """`hivekeeper join` running in a namespace; its join.json is read as it is rewritten."""
 
-    def __init__(self, cluster: Cluster, ns: str, host: str, run_dir: Path, *extra: str):
+    def __init__(self, cluster: Cluster, ns: str, host: str, run_dir: Path, *extra: str, identity: str = VOLUNTEER):
         self.lab, self.ns, self.run_dir = cluster.lab, ns, run_dir
         with open(run_dir.with_suffix(".log"), "wb") as log:
             self.process = self.lab.popen(ns, [sys.executable, "-m", "hivekeeper", "join", cluster.gateway, "--token",
-                                               cluster.invite(), "--run-dir", str(run_dir), "--host", host, *extra],
+                                               cluster.invite(identity), "--run-dir", str(run_dir), "--host", host,
+                                               *extra],
                                           stdout=log, stderr=subprocess.STDOUT)
 
     def record(self) -> dict[str, Any]:
@@ -384,10 +387,14 @@ def test_a_revoked_identity_loses_access_when_its_token_runs_out(cluster):
 
 @pytest.mark.timeout(420)
 def test_direct_volunteer_contributes(cluster, tmp_path):
-    """A volunteer the relay can dial back (here: inside the cluster's network) runs direct."""
+    """A volunteer the relay can dial back (here: inside the cluster's network) runs direct. It is
+    a lab's machine: its trainer asks for a token naming its role and itself, and the token
+    service counts it against the lab's quota."""
     lab = cluster.lab
-    with Volunteer(cluster, lab.cluster, lab.cluster_ip, tmp_path / "direct") as volunteer:
+    cluster.mint_invite(LAB)
+    with Volunteer(cluster, lab.cluster, lab.cluster_ip, tmp_path / "direct", identity=LAB) as volunteer:
         contributes(cluster, volunteer, "direct")
+        assert (cluster.status("auth-0") or {}).get("labPeers") == {LAB: 1}
 
 
 @pytest.mark.timeout(600)

@@ -31,9 +31,11 @@ class SwarmAuthorizer(TokenAuthorizerBase):
     one key stands for the peer. Each role is its own process, so each has its own."""
 
     def __init__(self, gateway: str, invite: str, private_key: RSAPrivateKey | None = None,
-                 patience: float | None = None, request_timeout: float = 10.0):
+                 patience: float | None = None, request_timeout: float = 10.0, role: str | None = None,
+                 peer: str | None = None):
         super().__init__(private_key)
         self.gateway, self.invite = gateway, invite.strip()
+        self.role, self.peer = role, peer  # what the token names, and the peer's name (a lab's quota)
         self.patience, self.request_timeout = patience, request_timeout
         self.grant: Grant | None = None
         self._lifetime = 0.0
@@ -56,14 +58,17 @@ class SwarmAuthorizer(TokenAuthorizerBase):
         delay = 0.5
         while True:
             try:
-                return self._accept(request_access(self.gateway, self.invite, self._local_private_key,
-                                                   timeout=self.request_timeout))
+                return self._accept(self._request())
             except GatewayUnavailable as e:
                 if deadline is not None and time.monotonic() + delay > deadline:
                     raise
                 log.warning("token service unreachable, retrying", extra={"fields": {"error": str(e), "in": delay}})
                 time.sleep(delay)
                 delay = min(delay * 2, MAX_BACKOFF_SECONDS)
+
+    def _request(self) -> Grant:
+        return request_access(self.gateway, self.invite, self._local_private_key, timeout=self.request_timeout,
+                              role=self.role, peer=self.peer)
 
     def _accept(self, grant: Grant) -> Grant:
         self.grant = grant
@@ -83,8 +88,7 @@ class SwarmAuthorizer(TokenAuthorizerBase):
 
     def _renew(self) -> None:
         try:
-            self._accept(request_access(self.gateway, self.invite, self._local_private_key,
-                                        timeout=self.request_timeout))
+            self._accept(self._request())
         except (GatewayUnavailable, AccessRefused) as e:  # keep the current token until it runs out
             self._retry_at = time.monotonic() + MAX_BACKOFF_SECONDS
             log.warning("cannot renew the access token", extra={"fields": {"error": str(e)}})
@@ -104,9 +108,10 @@ class SwarmAuthorizer(TokenAuthorizerBase):
 
 
 def make_authorizer(gateway: str, invite_path: str | Path, private_key: RSAPrivateKey | None = None,
-                    patience: float | None = None) -> SwarmAuthorizer:
+                    patience: float | None = None, role: str | None = None,
+                    peer: str | None = None) -> SwarmAuthorizer:
     """An authorizer that already holds its token: a refused invite fails here, in the role's own
     process with a clear message, not later inside the DHT's process as a failed bootstrap."""
-    authorizer = SwarmAuthorizer(gateway, Path(invite_path).read_text(), private_key, patience)
+    authorizer = SwarmAuthorizer(gateway, Path(invite_path).read_text(), private_key, patience, role=role, peer=peer)
     authorizer.fetch_grant()
     return authorizer

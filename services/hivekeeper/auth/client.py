@@ -16,6 +16,7 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from hivekeeper.auth import protocol
+from hivekeeper.auth.labs import split_subject
 from hivekeeper.auth.tls import GATEWAY_TLS_NAME, NotTLS, certificate_fingerprint, fetch_certificate, key_fingerprint
 from hivekeeper.auth.tokens import InvalidToken, parse_invite, read_invite, token_expiry, verify_access_token
 from hivekeeper.errors import UserError
@@ -52,17 +53,39 @@ class Grant:
 
     @property
     def identity(self) -> str:
-        return self.token.username
+        return split_subject(self.token.username)[0]
+
+    @property
+    def role(self) -> str | None:
+        """The role the token names, if the request named one."""
+        return split_subject(self.token.username)[1]
 
     @property
     def expires_at(self) -> float:
         return token_expiry(self.token)
 
 
-def request_access(gateway: str, invite: str, private_key: RSAPrivateKey, timeout: float = 10.0) -> Grant:
-    """One Join call to the gateway at host:port. Raises AccessRefused (the invite is malformed,
-    expired, not allowlisted...; UntrustedGateway: the gateway does not hold the invite's swarm
-    key) or GatewayUnavailable (worth retrying)."""
+def request_access(gateway: str, invite: str, private_key: RSAPrivateKey, timeout: float = 10.0,
+                   role: str | None = None, peer: str | None = None) -> Grant:
+    """One Join call to the gateway at host:port, for a peer named `peer` that runs `role` (a
+    lab's peers name both). Raises AccessRefused (the invite is malformed, expired, not
+    allowlisted, the lab's quota is full...; UntrustedGateway: the gateway does not hold the
+    invite's swarm key) or GatewayUnavailable (worth retrying)."""
+    reply, request, fingerprint = _join(gateway, invite, private_key, timeout, role=role, peer=peer)
+    return _checked_grant(reply, invite.strip(), fingerprint, request["publicKey"])
+
+
+def describe_swarm(gateway: str, invite: str, private_key: RSAPrivateKey, timeout: float = 10.0) -> dict[str, Any]:
+    """What the swarm tells its peers (kind, name, manifest, initial peers, relays), for an invite
+    the gateway admits, without a token: what a peer reads before it knows which role it runs.
+    Raises as request_access does."""
+    reply, _, fingerprint = _join(gateway, invite, private_key, timeout, probe=True)
+    return _checked_reply(reply, invite.strip(), fingerprint)[1]
+
+
+def _join(gateway: str, invite: str, private_key: RSAPrivateKey, timeout: float,
+          **fields: Any) -> tuple[bytes, dict[str, Any], str]:
+    """The Join call: the reply, the request sent and the swarm key fingerprint the invite names."""
     invite = invite.strip()
     try:  # what the invite alone says: no need to ask the gateway about a damaged or expired one
         claims = parse_invite(invite)[0]
@@ -72,7 +95,7 @@ def request_access(gateway: str, invite: str, private_key: RSAPrivateKey, timeou
         raise AccessRefused("UNAUTHENTICATED", f"the invite for {claims.identity!r} has expired")
     deadline = time.monotonic() + timeout
     with pinned_channel(gateway, claims.key_fingerprint, timeout) as channel:
-        request = protocol.join_request(invite, private_key, time.time())
+        request = protocol.join_request(invite, private_key, time.time(), **fields)
         join = channel.unary_unary(protocol.JOIN_METHOD)
         try:
             reply = join(protocol.encode(request), timeout=max(deadline - time.monotonic(), 0.1))
@@ -80,7 +103,7 @@ def request_access(gateway: str, invite: str, private_key: RSAPrivateKey, timeou
             if e.code() in RETRYABLE:
                 raise GatewayUnavailable(f"token service at {gateway}: {e.details()}") from None
             raise AccessRefused(e.code().name, e.details() or "") from None
-    return _checked_grant(reply, invite, claims.key_fingerprint, request["publicKey"])
+    return reply, request, claims.key_fingerprint
 
 
 def pinned_channel(gateway: str, fingerprint: str, timeout: float = 10.0) -> grpc.Channel:
@@ -112,18 +135,30 @@ def pinned_channel(gateway: str, fingerprint: str, timeout: float = 10.0) -> grp
                                         ("grpc.ssl_target_name_override", GATEWAY_TLS_NAME)])
 
 
-def _checked_grant(reply_bytes: bytes, invite: str, fingerprint: str, public_key: str) -> Grant:
-    """Trust the swarm key only if it is the one the invite names and it signed the invite: a
-    gateway that is not the swarm's cannot hand us a key of its own choosing."""
+def _checked_reply(reply_bytes: bytes, invite: str, fingerprint: str) -> tuple[dict[str, Any], dict[str, Any], RSAPublicKey]:
+    """The reply, the swarm's information and its key, trusting the key only if it is the one the
+    invite names and it signed the invite: a gateway that is not the swarm's cannot hand us a key
+    of its own choosing."""
     try:
         reply = protocol.decode(reply_bytes)
         swarm_key = RSAPublicKey.from_bytes(reply["swarmPublicKey"].encode())
         if key_fingerprint(swarm_key) != fingerprint:
             raise ValueError("its swarm key is not the one the invite names")
-        token = AccessToken.FromString(base64.b64decode(reply["accessToken"]))
         read_invite(invite, swarm_key)
         swarm = reply.get("swarm") or {}
-    except (KeyError, TypeError, ValueError, AttributeError, DecodeError) as e:  # InvalidToken is a ValueError
+        if not isinstance(swarm, dict):
+            raise TypeError("its swarm information is not an object")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # InvalidToken is a ValueError
+        raise AccessRefused("UNAUTHENTICATED", f"the gateway's reply does not check out: {e}") from None
+    return reply, swarm, swarm_key
+
+
+def _checked_grant(reply_bytes: bytes, invite: str, fingerprint: str, public_key: str) -> Grant:
+    """The token in the reply, if it is the swarm key's and vouches for `public_key`."""
+    reply, swarm, swarm_key = _checked_reply(reply_bytes, invite, fingerprint)
+    try:
+        token = AccessToken.FromString(base64.b64decode(reply["accessToken"]))
+    except (KeyError, TypeError, ValueError, DecodeError) as e:
         raise AccessRefused("UNAUTHENTICATED", f"the gateway's reply does not check out: {e}") from None
     check = verify_access_token(token, swarm_key)
     if not check or token.public_key != public_key.encode():

@@ -52,6 +52,7 @@ RUNTIME = KindRuntime(
     roles=block_roles, identity_roles=identity_roles,
     target_steps=lambda manifest: manifest.spec.client.new_tokens,
     volunteer_role=SERVER,  # a block server behind a relay: clients reach it through the circuit
+    lab_roles={BACKBONE: "backbone", SERVER: "server"},
     volumes=model_volumes,
     status_keys={BACKBONE: "backbone", SERVER: "servers", BALANCER: "balancer", CLIENT: "client",
                  **ACCESS_STATUS_KEYS},

@@ -49,6 +49,7 @@ RUNTIME = KindRuntime(
     status_keys={BACKBONE: "backbone", SERVER: "servers", TRAINER: "trainers", **ACCESS_STATUS_KEYS},
     scale_restarts=(SERVER,),  # server I holds grid.server_experts(spec, I) of servers.replicas
     volunteer_role=SERVER,  # holds free cells of the grid (grid.server_experts), reached through a relay
+    lab_roles={BACKBONE: "backbone", SERVER: "server", TRAINER: "trainer"},
     volumes=pool_volumes,
     role_modules={
         BACKBONE: RoleEntry("hivekeeper.experts.backbone"),

@@ -14,7 +14,7 @@ from hivekeeper.spec.base import CelRule, SpecModel
 from hivekeeper.spec.common import BackboneSpec, Resources
 from hivekeeper.spec.placement import Placement, check_placements
 from hivekeeper.spec.storage import ModelVolumeSpec
-from hivekeeper.spec.volunteers import VolunteersSpec
+from hivekeeper.spec.volunteers import VolunteersSpec, check_lab_roles, lab_roles_rule
 
 WireCompression = Literal["none", "float16", "blockwise8bit"]
 
@@ -122,6 +122,10 @@ def _tiny(field: str) -> str:
     return f"(has(self.model.tiny) ? self.model.tiny.{field} : {default})"
 
 
+# what a lab that joins this kind may run (spec.volunteers.labs)
+LAB_ROLES = ("backbone", "server")
+
+
 class BlockServerSpec(SpecModel):
     model: ModelSpec = Field(default_factory=ModelSpec, description="the causal language model whose blocks are served")
     servers: ServersSpec = Field(default_factory=ServersSpec, description="the block servers")
@@ -135,6 +139,7 @@ class BlockServerSpec(SpecModel):
     placement: Placement = Field(default_factory=Placement, description="every pod's; merged under each group's")
 
     cel_rules = (
+        lab_roles_rule(LAB_ROLES, "BlockServer"),
         CelRule(f"has(self.model.checkpoint) || !self.client.enabled || "
                 f"(self.client.newTokens + size(bytes(self.client.prompt)) <= {_tiny('maxPositions')} && "
                 f"self.client.newTokens + size(bytes(self.client.prompt)) <= self.servers.maxSessionTokens)",
@@ -162,6 +167,7 @@ class BlockServerSpec(SpecModel):
         if self.servers.max_session_tokens > self.servers.cache_tokens:
             raise ValueError(f"servers.maxSessionTokens ({self.servers.max_session_tokens}) exceeds "
                              f"servers.cacheTokens ({self.servers.cache_tokens})")
+        check_lab_roles(self.volunteers, LAB_ROLES, "BlockServer")
         check_placements(self)
         return self
 

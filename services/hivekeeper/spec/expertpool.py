@@ -17,7 +17,7 @@ from hivekeeper.spec.common import BackboneSpec, Resources
 from hivekeeper.spec.placement import DNS_SUBDOMAIN, Placement, check_placements
 from hivekeeper.spec.storage import VolumeClaimSpec, check_claim, claim_rules
 from hivekeeper.spec.training import OptimizerSpec, StoppingSpec, TaskSpec
-from hivekeeper.spec.volunteers import VolunteersSpec
+from hivekeeper.spec.volunteers import VolunteersSpec, check_lab_roles, lab_roles_rule
 
 DIGITS_PIXELS = 64  # the digits task's 8x8 images: what a transformer trainer splits into tokens
 MAX_GRID_DIMENSIONS = 4
@@ -132,6 +132,10 @@ def _grid_size() -> str:
     return " * ".join([f"{dims}[0]", *(f"(size({dims}) > {i} ? {dims}[{i}] : 1)" for i in range(1, MAX_GRID_DIMENSIONS))])
 
 
+# what a lab that joins this kind may run (spec.volunteers.labs)
+LAB_ROLES = ("backbone", "server", "trainer")
+
+
 class ExpertPoolSpec(SpecModel):
     task: TaskSpec = Field(default_factory=TaskSpec, description="the data trainers learn from (digits)")
     grid: GridSpec = Field(default_factory=GridSpec)
@@ -157,6 +161,7 @@ class ExpertPoolSpec(SpecModel):
         return min(self.grid.size, per_server * self.servers.replicas)
 
     cel_rules = (
+        lab_roles_rule(LAB_ROLES, "ExpertPool"),
         CelRule("self.task.name == 'digits'", "ExpertPool trainers learn the digits task", ".task.name"),
         # the task's options: the operator checks them (InvalidSpec)
         CelRule("self.trainers.dmoe.kMin <= self.trainers.dmoe.kBest", "exceeds trainers.dmoe.kBest",
@@ -193,5 +198,6 @@ class ExpertPoolSpec(SpecModel):
         if self.servers.announce_expiration_seconds <= self.servers.announce_period_seconds:
             raise ValueError("servers.announceExpirationSeconds must exceed announcePeriodSeconds, "
                              "or experts vanish from the DHT between announcements")
+        check_lab_roles(self.volunteers, LAB_ROLES, "ExpertPool")
         check_placements(self)
         return self

@@ -14,7 +14,7 @@ from hivekeeper.spec.common import BackboneSpec, Resources
 from hivekeeper.spec.placement import DNS_SUBDOMAIN, Placement, check_placements
 from hivekeeper.spec.storage import VolumeClaimSpec, check_claim, claim_rules
 from hivekeeper.spec.training import OptimizerSpec, StoppingSpec, TaskSpec
-from hivekeeper.spec.volunteers import VolunteersSpec
+from hivekeeper.spec.volunteers import VolunteersSpec, check_lab_roles, lab_roles_rule
 
 CompressionName = Literal["none", "float16", "uniform8bit", "blockwise8bit"]
 # A robust aggregator cannot tell which of two members is the hostile one: with one honest and
@@ -229,6 +229,10 @@ class MonitorSpec(SpecModel):
         return self
 
 
+# what a lab that joins this kind may run (spec.volunteers.labs)
+LAB_ROLES = ("backbone", "trainer", "auxiliary")
+
+
 class SwarmSpec(SpecModel):
     task: TaskSpec = Field(default_factory=TaskSpec)
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec,
@@ -251,6 +255,7 @@ class SwarmSpec(SpecModel):
     placement: Placement = Field(default_factory=Placement, description="every pod's; merged under each group's")
 
     cel_rules = (
+        lab_roles_rule(LAB_ROLES, "Swarm"),
         CelRule("self.trainers.batchSize <= self.targetBatchSize", "exceeds targetBatchSize", ".trainers.batchSize"),
         CelRule("!has(self.averaging.targetGroupSize) || self.volunteers.enabled || "
                 "self.averaging.targetGroupSize <= self.trainers.replicas + self.auxiliary.replicas",
@@ -289,5 +294,6 @@ class SwarmSpec(SpecModel):
             self.balancer.enabled = not self.averaging.merges_weights
         if self.stopping.target_metric is not None and not self.monitor.enabled:
             raise ValueError("stopping.targetMetric needs monitor.enabled: the monitor evaluates held-out metrics")
+        check_lab_roles(self.volunteers, LAB_ROLES, "Swarm")
         check_placements(self)
         return self

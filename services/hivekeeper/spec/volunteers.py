@@ -1,9 +1,10 @@
 """Peers from outside the cluster (DeDLOC section 3.3 and appendix I.5): relays they reach the
-swarm through, and the token service that admits only allowlisted identities."""
+swarm through, and the token service that admits only allowlisted identities: single volunteers
+by name, and labs that pool a cluster's peers, each with a peer quota and the roles it may run."""
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 from pydantic import Field, StrictBool, model_validator
 
@@ -11,6 +12,47 @@ from hivekeeper.spec.base import CelRule, SpecModel
 from hivekeeper.spec.placement import Placement
 
 NODE_PORTS = (30000, 32767)  # Kubernetes' default NodePort range
+
+
+# What a lab's peers may run, by the kind's word for it: a Swarm's backbone, trainers and
+# auxiliaries; a BlockServer's backbone and servers; an ExpertPool's backbone, expert servers and
+# trainers (hivekeeper.auth.labs maps them to roles).
+LAB_ROLES = ("backbone", "trainer", "auxiliary", "server")
+LabRole = Literal["backbone", "trainer", "auxiliary", "server"]
+LAB_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # a DNS label: it names the lab's peers and metrics
+
+
+class LabSpec(SpecModel):
+    name: str = Field(..., min_length=1, max_length=63, pattern=LAB_NAME_PATTERN,
+                      description="the lab's identity: what its invite names (a DNS label)")
+    max_peers: int = Field(..., ge=1, le=10_000, description="at most this many of its peers hold a token at once")
+    roles: list[LabRole] = Field(..., min_length=1, max_length=len(LAB_ROLES),
+                                 description="what its peers may run: backbone, trainer, auxiliary, server")
+
+    cel_rules = (
+        CelRule("self.roles.all(r, self.roles.exists_one(s, s == r))", "names a role twice", ".roles"),
+    )
+
+    @model_validator(mode="after")
+    def _roles_once(self) -> "LabSpec":
+        if len(set(self.roles)) != len(self.roles):
+            raise ValueError(f"roles: lab {self.name!r} names a role twice")
+        return self
+
+
+def lab_roles_rule(allowed: Sequence[str], kind: str) -> CelRule:
+    """The kind's check that its labs run only roles it has (a kind's spec lists it in cel_rules)."""
+    listed = ", ".join(f"'{role}'" for role in allowed)
+    return CelRule(f"!has(self.volunteers.labs) || self.volunteers.labs.all(l, l.roles.all(r, r in [{listed}]))",
+                   f"a lab of a {kind} may run only {', '.join(allowed)}", ".volunteers.labs")
+
+
+def check_lab_roles(volunteers: "VolunteersSpec", allowed: Sequence[str], kind: str) -> None:
+    for lab in volunteers.labs:
+        other = [role for role in lab.roles if role not in allowed]
+        if other:
+            raise ValueError(f"volunteers.labs: lab {lab.name!r} names {', '.join(other)}; a lab of a {kind} "
+                             f"may run only {', '.join(allowed)}")
 
 
 class VolunteersSpec(SpecModel):
@@ -24,14 +66,22 @@ class VolunteersSpec(SpecModel):
                             description="the first relay's port (relay i: relayPort + i); a node port for NodePort")
     gateway_port: int = Field(31336, ge=1, le=65535, description="the token service's gRPC port (NodePort: node port)")
     allowlist: list[str] = Field(default_factory=list, description="identities that may get a token")
+    labs: list[LabSpec] = Field(default_factory=list, max_length=256,
+                                description="labs that pool their clusters' peers: one invite each, a token per "
+                                            "peer, at most maxPeers at once, only the roles listed")
     allowlist_secret: Optional[str] = Field(
         None, description="a Secret whose key 'allowlist' lists more identities, one a line (cluster only)")
     token_ttl_seconds: float = Field(3600.0, ge=60, description="lifetime of an access token; peers renew it")
     placement: Placement = Field(default_factory=Placement, description="the relays' and the token service's")
 
     cel_rules = (
-        CelRule("!self.enabled || (has(self.allowlist) && size(self.allowlist) > 0) || has(self.allowlistSecret)",
-                "volunteers.enabled admits only allowlisted identities: set allowlist or allowlistSecret", ".allowlist"),
+        CelRule("!self.enabled || (has(self.allowlist) && size(self.allowlist) > 0) || "
+                "(has(self.labs) && size(self.labs) > 0) || has(self.allowlistSecret)",
+                "volunteers.enabled admits only allowlisted identities: set allowlist, labs or allowlistSecret",
+                ".allowlist"),
+        CelRule("!has(self.labs) || self.labs.all(l, self.labs.exists_one(m, m.name == l.name) && "
+                "(!has(self.allowlist) || !(l.name in self.allowlist)))",
+                "a lab's name appears once, and not on the allowlist too", ".labs"),
         CelRule("self.serviceType != 'NodePort' || !self.enabled || (has(self.publicHost) && size(self.publicHost) > 0)",
                 "serviceType NodePort: set publicHost, a node address volunteers can reach", ".publicHost"),
         CelRule(f"self.serviceType != 'NodePort' || (self.relayPort >= {NODE_PORTS[0]} && "
@@ -46,8 +96,13 @@ class VolunteersSpec(SpecModel):
 
     @model_validator(mode="after")
     def _someone_may_join(self) -> "VolunteersSpec":
-        if self.enabled and not self.allowlist and self.allowlist_secret is None:
-            raise ValueError("volunteers.enabled admits only allowlisted identities: set allowlist or allowlistSecret")
+        if self.enabled and not self.allowlist and not self.labs and self.allowlist_secret is None:
+            raise ValueError("volunteers.enabled admits only allowlisted identities: set allowlist, labs or "
+                             "allowlistSecret")
+        names = [lab.name for lab in self.labs]
+        twice = sorted({name for name in names if names.count(name) > 1} | (set(names) & set(self.allowlist)))
+        if twice:
+            raise ValueError(f"labs: {', '.join(twice)}: a lab's name appears once, and not on the allowlist too")
         if self.service_type == "NodePort" and self.enabled and not self.public_host:
             raise ValueError("serviceType NodePort: set publicHost, a node address volunteers can reach")
         if self.service_type == "NodePort":

@@ -82,6 +82,7 @@ RUNTIME = KindRuntime(
     status_component="monitor",
     running_component="trainer",
     volunteer_role="trainer",
+    lab_roles={BACKBONE: "backbone", "trainer": "trainer", "auxiliary": "auxiliary"},
     volumes=swarm_volumes,
     role_modules={
         BACKBONE: RoleEntry("hivekeeper.swarm.backbone"),

@@ -280,15 +280,15 @@ def p2pd_dies_with_this_process() -> None:
 def _grant(gateway: str, invite: str) -> dict[str, Any]:
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from hivekeeper.auth.client import GatewayUnavailable, request_access
+    from hivekeeper.auth.client import GatewayUnavailable, describe_swarm
 
-    try:  # a throwaway key: the role asks for its own token with the invite
-        grant = request_access(gateway, invite, RSAPrivateKey())
+    try:  # a probe, with a throwaway key: the role asks for its own token with the invite
+        swarm = describe_swarm(gateway, invite, RSAPrivateKey())
     except GatewayUnavailable as e:
         raise UserError(f"the token service does not answer: {e}") from None
-    if not grant.swarm.get("manifest"):
+    if not swarm.get("manifest"):
         raise UserError(f"the token service at {gateway} sent no manifest")
-    return grant.swarm
+    return swarm
 
 
 def _write_manifest(run_dir: Path, swarm: dict[str, Any]) -> Path:

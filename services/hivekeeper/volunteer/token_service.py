@@ -14,6 +14,7 @@ from typing import Any
 
 from hivekeeper.auth.gateway import REFUSAL_REASONS, Allowlist, TokenService, serve_gateway
 from hivekeeper.auth.keys import load_swarm_key
+from hivekeeper.auth.labs import labs_of
 from hivekeeper.auth.watched import WatchedFile
 from hivekeeper.runtime.context import RoleContext
 from hivekeeper.runtime.lifecycle import load_context
@@ -27,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.swarm_key or not Path(args.swarm_key).is_file():
         raise SystemExit(f"auth: --swarm-key must name the swarm's signing key file (got {args.swarm_key!r})")
     volunteers = ctx.spec.volunteers
-    allowlist = Allowlist(volunteers.allowlist, args.allowlist_file)
+    allowlist = Allowlist(volunteers.allowlist, args.allowlist_file, labs_of(volunteers.labs))
     service = TokenService(load_swarm_key(args.swarm_key), allowlist, swarm_info(ctx),
                            token_ttl=volunteers.token_ttl_seconds, **counters(ctx))
     ctx.start_endpoint()
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     ctx.endpoint.ready.set()
     try:
         while not ctx.stop.wait(2.0):
-            ctx.status.update(allowlisted=len(allowlist.identities()))
+            ctx.status.update(allowlisted=len(allowlist.identities()), labPeers=service.quota.held())
     finally:
         ctx.endpoint.ready.clear()
         server.stop()

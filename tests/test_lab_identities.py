@@ -1,0 +1,156 @@
+"""Labs on the allowlist (issue 29): a lab pools a cluster's peers with one invite. Each of its
+peers gets a token of its own, naming the role it runs, for the roles the lab may run and no more
+than its peer quota at once; taking the lab off the allowlist (the manifest's or the Secret's
+file) refuses its next renewals. The token service is a real gRPC server over TLS on 127.0.0.1."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from hivemind.utils.crypto import RSAPrivateKey
+
+from hivekeeper.auth import protocol
+from hivekeeper.auth.authorizer import SwarmAuthorizer
+from hivekeeper.auth.client import AccessRefused, describe_swarm, pinned_channel, request_access
+from hivekeeper.auth.gateway import Allowlist, TokenService, serve_gateway
+from hivekeeper.auth.labs import Lab, PeerQuota, QuotaExceeded, parse_access_list, split_subject, token_subject
+from hivekeeper.auth.tokens import mint_invite, verify_access_token
+from hivekeeper.kinds import KIND_MODULES, runtime
+from hivekeeper.spec import swarm, blockserver, expertpool
+
+HOUR = 3600.0
+SWARM_INFO = {"kind": "Swarm", "name": "digits", "manifest": {"kind": "Swarm"}, "initialPeers": [], "relays": []}
+LAB_B = Lab("lab-b", 2, frozenset({"trainer", "backbone"}))
+
+
+@pytest.fixture(scope="module")
+def swarm_key() -> RSAPrivateKey:
+    return RSAPrivateKey()
+
+
+@pytest.fixture
+def gateway(swarm_key, tmp_path):
+    allowlist_file = tmp_path / "allowlist"
+    allowlist_file.write_text("carol\nlab-c maxPeers=1 roles=auxiliary  # a lab from the Secret\n")
+    refusals: list[str] = []
+    service = TokenService(swarm_key, Allowlist(["alice"], allowlist_file, {"lab-b": LAB_B}), lambda: SWARM_INFO,
+                           token_ttl=HOUR, on_refuse=refusals.append)
+    server = serve_gateway(service, "127.0.0.1", 0)
+    server.address, server.allowlist_file, server.refusals, server.service = \
+        f"127.0.0.1:{server.port}", allowlist_file, refusals, service
+    yield server
+    server.stop(grace=0)
+
+
+def invite(key: RSAPrivateKey, identity: str) -> str:
+    return mint_invite(key, identity, time.time() + HOUR)
+
+
+def refusal(call) -> AccessRefused:
+    with pytest.raises(AccessRefused) as caught:
+        call()
+    return caught.value
+
+
+def test_each_peer_of_a_lab_gets_a_token_of_its_own_naming_its_role(gateway, swarm_key):
+    lab_b = invite(swarm_key, "lab-b")
+    trainer_key, backbone_key = RSAPrivateKey(), RSAPrivateKey()
+    trainer = request_access(gateway.address, lab_b, trainer_key, role="trainer", peer="trainer-0")
+    backbone = request_access(gateway.address, lab_b, backbone_key, role="backbone", peer="backbone-0")
+    assert (trainer.identity, trainer.role) == ("lab-b", "trainer")
+    assert (backbone.identity, backbone.role) == ("lab-b", "backbone")
+    assert trainer.token.public_key == trainer_key.get_public_key().to_bytes()
+    assert verify_access_token(backbone.token, swarm_key.get_public_key())
+    assert gateway.service.quota.held() == {"lab-b": 2}
+    # a single volunteer names no role and gets a token as before
+    assert request_access(gateway.address, invite(swarm_key, "alice"), RSAPrivateKey()).role is None
+
+
+def test_a_role_the_lab_may_not_run_and_a_peer_that_names_none_are_refused(gateway, swarm_key):
+    lab_b = invite(swarm_key, "lab-b")
+    denied = refusal(lambda: request_access(gateway.address, lab_b, RSAPrivateKey(), role="auxiliary", peer="aux-0"))
+    assert denied.code == "PERMISSION_DENIED" and "lab 'lab-b' may run backbone, trainer, not auxiliary" in str(denied)
+    unnamed = refusal(lambda: request_access(gateway.address, lab_b, RSAPrivateKey()))
+    assert unnamed.code == "INVALID_ARGUMENT" and "names its role and itself" in str(unnamed)
+    assert gateway.refusals == ["role_not_allowed", "malformed"]
+    assert gateway.service.quota.held() == {}  # nothing refused takes a slot
+
+
+def test_the_quota_counts_peers_not_requests_and_a_refusal_names_it(gateway, swarm_key):
+    lab_b = invite(swarm_key, "lab-b")
+    for name in ("trainer-0", "trainer-1"):
+        request_access(gateway.address, lab_b, RSAPrivateKey(), role="trainer", peer=name)
+    over = refusal(lambda: request_access(gateway.address, lab_b, RSAPrivateKey(), role="trainer", peer="trainer-2"))
+    assert over.code == "PERMISSION_DENIED"
+    assert "lab 'lab-b' has 2 peers holding a token, its quota (maxPeers 2)" in str(over)
+    assert gateway.refusals == ["over_quota"]
+    # a peer that renews, or restarts with a new key under its name, keeps its slot
+    again = request_access(gateway.address, lab_b, RSAPrivateKey(), role="trainer", peer="trainer-1")
+    assert again.role == "trainer" and gateway.service.quota.held() == {"lab-b": 2}
+    # the probe a joining machine makes first reads the swarm without a token or a slot
+    assert describe_swarm(gateway.address, lab_b, RSAPrivateKey()) == SWARM_INFO
+
+
+def test_a_slot_frees_when_its_token_runs_out():
+    quota, now = PeerQuota(), 1000.0
+    quota.take(LAB_B, "trainer-0", now + 60, now)
+    quota.take(LAB_B, "trainer-1", now + 90, now)
+    with pytest.raises(QuotaExceeded, match=r"in 60 s at most"):
+        quota.take(LAB_B, "trainer-2", now + 60, now)
+    quota.take(LAB_B, "trainer-2", now + 120, now + 61)  # trainer-0's token ran out
+    assert quota.held(now + 61) == {"lab-b": 2}
+
+
+def test_a_lab_off_the_allowlist_or_its_file_gets_no_renewal(gateway, swarm_key):
+    lab_c = invite(swarm_key, "lab-c")
+    authorizer = SwarmAuthorizer(gateway.address, lab_c, RSAPrivateKey(), role="auxiliary", peer="auxiliary-0")
+    assert authorizer.fetch_grant().identity == "lab-c"
+    gateway.allowlist_file.write_text("carol\n")  # the host's admin takes lab-c out of the Secret
+    gone = refusal(authorizer.fetch_grant)
+    assert gone.code == "PERMISSION_DENIED" and "'lab-c' is not on this swarm's allowlist" in str(gone)
+
+
+def test_a_request_with_a_bad_role_or_peer_is_malformed(gateway, swarm_key):
+    key = RSAPrivateKey()
+    base = protocol.join_request(invite(swarm_key, "lab-b"), key, time.time())
+    for extra in ({"role": "monitor", "peer": "m"}, {"role": ["trainer"], "peer": "t"}, {"role": "trainer", "peer": ""},
+                  {"role": "trainer", "peer": 7}, {"role": "trainer", "peer": "t", "probe": "yes"}):
+        with pinned_channel(gateway.address, gateway.key_fingerprint) as channel:
+            with pytest.raises(grpc.RpcError) as caught:
+                channel.unary_unary(protocol.JOIN_METHOD)(protocol.encode({**base, **extra}), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, extra
+        assert "not a Join request" in caught.value.details()
+
+
+def test_the_allowlist_file_names_labs_and_says_which_line_is_wrong():
+    listed = parse_access_list("# who may join\ncarol\nlab-b maxPeers=8 roles=trainer,backbone # pooled\n\n")
+    assert listed.identities == {"carol"}
+    assert listed.labs == {"lab-b": Lab("lab-b", 8, frozenset({"trainer", "backbone"}))}
+    for text, message in [("carol\nlab-b maxPeers=8", "line 2: lab 'lab-b' needs maxPeers and roles"),
+                          ("lab-b maxPeers=0 roles=trainer", "line 1: maxPeers='0' is not a whole number"),
+                          ("lab-b maxPeers=2 roles=trainer,monitor", "line 1: roles: monitor: each is one of"),
+                          ("Lab_B maxPeers=2 roles=trainer", "line 1: 'Lab_B' is not a lab name"),
+                          ("lab-b maxpeers=2 roles=trainer", "line 1: 'maxpeers=2' is not one of"),
+                          ("b maxPeers=1 roles=server\nb maxPeers=2 roles=server", "line 2: lab 'b' is listed twice")]:
+        with pytest.raises(ValueError, match=message):
+            parse_access_list(text)
+    # a name that is a lab in the manifest stays one, whatever the file says of it
+    both = Allowlist(["alice"], labs={"lab-b": LAB_B})
+    assert both.lab("lab-b") == LAB_B and both.lab("alice") is None and "lab-b" in both
+
+
+def test_token_subjects_name_the_identity_and_the_role():
+    assert split_subject(token_subject("lab-b", "trainer")) == ("lab-b", "trainer")
+    assert split_subject(token_subject("alice", None)) == ("alice", None)
+    # the swarm's own roles are named RUN/ROLE-INDEX: no lab role, the whole name is the identity
+    assert split_subject("digits/trainer-0") == ("digits/trainer-0", None)
+    assert split_subject(token_subject("digits/trainer-0", "trainer")) == ("digits/trainer-0", "trainer")
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_MODULES))
+def test_each_kind_grants_its_lab_roles_to_the_components_that_run_them(kind):
+    spec_module = {"Swarm": swarm, "BlockServer": blockserver, "ExpertPool": expertpool}[kind]
+    assert set(runtime(kind).lab_roles.values()) == set(spec_module.LAB_ROLES)
+    assert set(runtime(kind).lab_roles) <= set(runtime(kind).status_keys)
