@@ -5,6 +5,7 @@ file) refuses its next renewals. The token service is a real gRPC server over TL
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import grpc
@@ -17,6 +18,7 @@ from hivekeeper.auth.client import AccessRefused, describe_swarm, pinned_channel
 from hivekeeper.auth.gateway import Allowlist, TokenService, serve_gateway
 from hivekeeper.auth.labs import Lab, PeerQuota, QuotaExceeded, parse_access_list, split_subject, token_subject
 from hivekeeper.auth.tokens import mint_invite, verify_access_token
+from hivekeeper.commands.run import register
 from hivekeeper.kinds import KIND_MODULES, runtime
 from hivekeeper.spec import swarm, blockserver, expertpool
 
@@ -150,7 +152,13 @@ def test_token_subjects_name_the_identity_and_the_role():
 
 
 @pytest.mark.parametrize("kind", sorted(KIND_MODULES))
-def test_each_kind_grants_its_lab_roles_to_the_components_that_run_them(kind):
+def test_each_kind_grants_its_lab_roles_to_the_roles_that_run_them(kind):
     spec_module = {"Swarm": swarm, "BlockServer": blockserver, "ExpertPool": expertpool}[kind]
-    assert set(runtime(kind).lab_roles.values()) == set(spec_module.LAB_ROLES)
-    assert set(runtime(kind).lab_roles) <= set(runtime(kind).status_keys)
+    granted = {role: entry.lab_role for role, entry in runtime(kind).role_modules.items() if entry.lab_role}
+    assert set(granted.values()) == set(spec_module.LAB_ROLES)
+    # and `hivekeeper run ROLE` hands the word to the role's token requests
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    for role, word in granted.items():
+        args, _ = parser.parse_known_args(["run", role, "--manifest", "m.yaml"])
+        assert args.lab_role == word

@@ -67,9 +67,6 @@ class KindRuntime:
     running_component: Optional[str] = None
     # the component a volunteer runs (`hivekeeper join`); None: the kind takes no volunteers
     volunteer_role: Optional[str] = None
-    # component -> the role word a lab's allowlist entry grants it by (spec.volunteers.labs, the
-    # kind spec's LAB_ROLES); a lab may run no other component
-    lab_roles: dict[str, str] = field(default_factory=dict)
     # For the operator. (manifest, run dir) -> the volumes its pods mount besides the usual ones
     volumes: Callable[[Manifest, str], list[KindVolume]] = lambda manifest, run_dir: []
 

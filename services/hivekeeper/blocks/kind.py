@@ -52,13 +52,12 @@ RUNTIME = KindRuntime(
     roles=block_roles, identity_roles=identity_roles,
     target_steps=lambda manifest: manifest.spec.client.new_tokens,
     volunteer_role=SERVER,  # a block server behind a relay: clients reach it through the circuit
-    lab_roles={BACKBONE: "backbone", SERVER: "server"},
     volumes=model_volumes,
     status_keys={BACKBONE: "backbone", SERVER: "servers", BALANCER: "balancer", CLIENT: "client",
                  **ACCESS_STATUS_KEYS},
     role_modules={
-        BACKBONE: RoleEntry("hivekeeper.blocks.backbone"),
-        SERVER: RoleEntry("hivekeeper.blocks.server", (peer_access, _server_arguments)),
+        BACKBONE: RoleEntry("hivekeeper.blocks.backbone", lab_role="backbone"),
+        SERVER: RoleEntry("hivekeeper.blocks.server", (peer_access, _server_arguments), lab_role="server"),
         BALANCER: RoleEntry("hivekeeper.blocks.balancer"),
         CLIENT: RoleEntry("hivekeeper.blocks.client_role"),
     },

@@ -20,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         arguments.common(role_parser)
         for argument_set in entry.arguments:
             argument_set(role_parser)
-        role_parser.set_defaults(handler=_run_role, role_module=entry.module)
+        role_parser.set_defaults(handler=_run_role, role_module=entry.module, lab_role=entry.lab_role)
 
 
 def _run_role(args: argparse.Namespace) -> int:

@@ -49,11 +49,10 @@ RUNTIME = KindRuntime(
     status_keys={BACKBONE: "backbone", SERVER: "servers", TRAINER: "trainers", **ACCESS_STATUS_KEYS},
     scale_restarts=(SERVER,),  # server I holds grid.server_experts(spec, I) of servers.replicas
     volunteer_role=SERVER,  # holds free cells of the grid (grid.server_experts), reached through a relay
-    lab_roles={BACKBONE: "backbone", SERVER: "server", TRAINER: "trainer"},
     volumes=pool_volumes,
     role_modules={
-        BACKBONE: RoleEntry("hivekeeper.experts.backbone"),
-        SERVER: RoleEntry("hivekeeper.experts.server"),
-        TRAINER: RoleEntry("hivekeeper.experts.trainer"),
+        BACKBONE: RoleEntry("hivekeeper.experts.backbone", lab_role="backbone"),
+        SERVER: RoleEntry("hivekeeper.experts.server", lab_role="server"),
+        TRAINER: RoleEntry("hivekeeper.experts.trainer", lab_role="trainer"),
     },
 )

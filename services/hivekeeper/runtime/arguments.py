@@ -56,3 +56,6 @@ class RoleEntry:
     module: str
     arguments: tuple[ArgumentSet, ...] = (peer_access,)
     help: Optional[str] = None
+    # the word a lab's allowlist entry grants this role by (spec.volunteers.labs; the kind spec's
+    # LAB_ROLES): its token asks for that role. None: no lab may run it
+    lab_role: Optional[str] = None

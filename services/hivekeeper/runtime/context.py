@@ -94,11 +94,9 @@ class RoleContext(Generic[SpecT]):
         if not self.option("invite"):
             raise SystemExit(f"{self.peer_name}: --gateway needs --invite (this peer's invite file)")
         from hivekeeper.auth.authorizer import make_authorizer
-        from hivekeeper.kinds import runtime
 
         # a lab's peer names its role and itself: the token service checks both against the lab's entry
-        role = runtime(self.manifest.kind).lab_roles.get(self.role)
-        return make_authorizer(self.args.gateway, self.args.invite, role=role, peer=self.peer_name)
+        return make_authorizer(self.args.gateway, self.args.invite, role=self.option("lab_role"), peer=self.peer_name)
 
     def _make_dht(self, client_mode: bool, **p2p_options: Any):
         import hivemind
