@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+from rich.console import Console
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivekeeper.auth import protocol
@@ -20,6 +21,7 @@ from hivekeeper.auth.labs import Lab, PeerQuota, QuotaExceeded, parse_access_lis
 from hivekeeper.auth.tokens import mint_invite, verify_access_token
 from hivekeeper.commands.run import register
 from hivekeeper.kinds import KIND_MODULES, runtime
+from hivekeeper.peer_table import lab_table, status_view
 from hivekeeper.spec import swarm, blockserver, expertpool
 
 HOUR = 3600.0
@@ -108,7 +110,13 @@ def test_a_slot_frees_when_its_token_runs_out():
 def test_a_lab_off_the_allowlist_or_its_file_gets_no_renewal(gateway, swarm_key):
     lab_c = invite(swarm_key, "lab-c")
     authorizer = SwarmAuthorizer(gateway.address, lab_c, RSAPrivateKey(), role="auxiliary", peer="auxiliary-0")
+    assert authorizer.admitted_as is None  # no token yet
     assert authorizer.fetch_grant().identity == "lab-c"
+    assert authorizer.admitted_as == "lab-c"  # what its reports and peer_info name
+    internal = SwarmAuthorizer(gateway.address, mint_invite(swarm_key, "digits/trainer-0", time.time() + HOUR,
+                                                            internal=True), RSAPrivateKey(), role="trainer")
+    internal.fetch_grant()
+    assert internal.admitted_as is None  # the swarm's own peer
     gateway.allowlist_file.write_text("carol\n")  # the host's admin takes lab-c out of the Secret
     gone = refusal(authorizer.fetch_grant)
     assert gone.code == "PERMISSION_DENIED" and "'lab-c' is not on this swarm's allowlist" in str(gone)
@@ -162,3 +170,18 @@ def test_each_kind_grants_its_lab_roles_to_the_roles_that_run_them(kind):
     for role, word in granted.items():
         args, _ = parser.parse_known_args(["run", role, "--manifest", "m.yaml"])
         assert args.lab_role == word
+
+
+def test_status_sums_the_peers_by_lab():
+    reports = [{"name": "trainer-0", "role": "trainer", "samplesPerSecond": 100.0},
+               {"name": "backbone-0", "role": "backbone"},
+               {"name": "trainer-0", "role": "trainer", "samplesPerSecond": 80.0, "lab": "lab-b"},
+               {"name": "trainer-1", "role": "trainer", "samplesPerSecond": 70.0, "lab": "lab-b"}]
+    console = Console(width=200, record=True)
+    console.print(status_view("digits", reports))
+    text = console.export_text()
+    lines = [[word for word in line.split() if word != "│"] for line in text.splitlines()]
+    assert ["(host)", "2", "1", "backbone,", "1", "trainer", "100"] in lines, text
+    assert ["lab-b", "2", "2", "trainer", "150"] in lines, text
+    # without other labs, only the peers
+    assert lab_table(reports[:2]) is None and status_view("digits", reports[:2]).columns[1].header == "role"

@@ -393,7 +393,8 @@ def test_direct_volunteer_contributes(cluster, tmp_path):
     lab = cluster.lab
     cluster.mint_invite(LAB)
     with Volunteer(cluster, lab.cluster, lab.cluster_ip, tmp_path / "direct", identity=LAB) as volunteer:
-        contributes(cluster, volunteer, "direct")
+        report = contributes(cluster, volunteer, "direct")
+        assert report.get("lab") == LAB, report  # the swarm's DHT tells whose peer it is
         assert (cluster.status("auth-0") or {}).get("labPeers") == {LAB: 1}
 
 

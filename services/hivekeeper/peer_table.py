@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
+from rich.console import Group, RenderableType
 from rich.table import Table
 
 from hivekeeper.local.progress import describe_round
@@ -37,15 +38,49 @@ def read_reports(initial_peers: Sequence[str], swarm: str, authorizer=None) -> l
         dht.shutdown()
 
 
+HOST = "(host)"  # the lab column's word for the swarm's own peers
+
+
+def status_view(swarm: str, reports: list[dict[str, Any]]) -> RenderableType:
+    """The peers, and where other labs or volunteers take part, their sums by lab first."""
+    labs = lab_table(reports)
+    return Group(labs, peer_table(swarm, reports)) if labs is not None else peer_table(swarm, reports)
+
+
+def lab_table(reports: list[dict[str, Any]]) -> Table | None:
+    """Peers and samples/s by the identity that admitted them (a lab, or one volunteer); None
+    while only the swarm's own peers report."""
+    if not any(report.get("lab") for report in reports):
+        return None
+    rows: dict[str, dict[str, Any]] = {}
+    for report in reports:
+        row = rows.setdefault(report.get("lab") or HOST, {"peers": 0, "roles": {}, "samples": 0.0})
+        row["peers"] += 1
+        role = str(report.get("role", "?"))
+        row["roles"][role] = row["roles"].get(role, 0) + 1
+        if isinstance(report.get("samplesPerSecond"), (int, float)):
+            row["samples"] += report["samplesPerSecond"]
+    table = Table(title="by lab", title_justify="left")
+    for column in ("lab", "peers", "roles", "samples/s"):
+        table.add_column(column, justify="right" if column in ("peers", "samples/s") else "left")
+    for lab in sorted(rows, key=lambda name: (name != HOST, name)):
+        row = rows[lab]
+        table.add_row(lab, str(row["peers"]), ", ".join(f"{n} {role}" for role, n in sorted(row["roles"].items())),
+                      f"{row['samples']:.0f}")
+    return table
+
+
 def peer_table(swarm: str, reports: list[dict[str, Any]]) -> Table:
     table = Table(title=f"{swarm}: {len(reports)} peers reporting", title_justify="left")
-    for column in ("peer", "role", "step", "samples/s", "loss", "last round", "reported"):
+    labs = any(report.get("lab") for report in reports)
+    for column in ("peer", *(("lab",) if labs else ()), "role", "step", "samples/s", "loss", "last round", "reported"):
         table.add_column(column, justify="right" if column in ("step", "samples/s", "loss", "reported") else "left")
     now = time.time()
     for report in reports:
         loss = report.get("loss")
         table.add_row(
-            str(report.get("name", "?")), str(report.get("role", "?")),
+            str(report.get("name", "?")), *((str(report.get("lab") or HOST),) if labs else ()),
+            str(report.get("role", "?")),
             str(report.get("globalEpoch", report.get("epoch", ""))) if report.get("role") != "backbone" else "",
             f"{report['samplesPerSecond']:.0f}" if isinstance(report.get("samplesPerSecond"), (int, float)) else "",
             f"{loss:.4f}" if isinstance(loss, (int, float)) else "",

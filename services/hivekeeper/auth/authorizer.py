@@ -19,7 +19,7 @@ from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from hivekeeper.auth.client import AccessRefused, GatewayUnavailable, Grant, request_access
-from hivekeeper.auth.tokens import InvalidToken, token_expiry, verify_access_token
+from hivekeeper.auth.tokens import InvalidToken, parse_invite, token_expiry, verify_access_token
 
 log = logging.getLogger("hivekeeper.auth")
 MAX_BACKOFF_SECONDS = 10.0
@@ -65,6 +65,14 @@ class SwarmAuthorizer(TokenAuthorizerBase):
                 log.warning("token service unreachable, retrying", extra={"fields": {"error": str(e), "in": delay}})
                 time.sleep(delay)
                 delay = min(delay * 2, MAX_BACKOFF_SECONDS)
+
+    @property
+    def admitted_as(self) -> str | None:
+        """The lab or volunteer this peer's invite names; None for one of the swarm's own roles
+        (an internal invite) or before the first token."""
+        if self.grant is None:
+            return None
+        return None if parse_invite(self.invite)[0].internal else self.grant.identity
 
     def _request(self) -> Grant:
         return request_access(self.gateway, self.invite, self._local_private_key, timeout=self.request_timeout,

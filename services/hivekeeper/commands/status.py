@@ -178,7 +178,7 @@ def _monitor_port(run_dir: Path) -> int | None:
 
 
 def _from_dht(args: argparse.Namespace) -> int:
-    from hivekeeper.peer_table import peer_table, read_reports
+    from hivekeeper.peer_table import read_reports, status_view
 
     peers = args.initial_peers
     if peers is None or not args.swarm:
@@ -208,6 +208,6 @@ def _from_dht(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(reports, indent=2))
         return 0
-    table = partial(peer_table, args.swarm)
+    table = partial(status_view, args.swarm)
     show(Console(), _polled(reports, read, args.watch, args.interval), table, table)
     return 0

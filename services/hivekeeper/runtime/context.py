@@ -33,6 +33,9 @@ class RoleContext(Generic[SpecT]):
     status: dict[str, Any] = field(default_factory=dict)
     client_mode: bool = False  # set by make_dht: whether this peer accepts connections
     maddrs: list[str] = field(default_factory=list)  # set by make_dht: where others dial this peer
+    # set by authorizer: the lab (or volunteer) whose invite admitted this peer; None for the
+    # swarm's own peers. Its reports and peer_info say so, for the breakdowns by lab
+    lab: str | None = None
     # how long a report outlives its peer's silence: a kind whose steps block (a Swarm's averaging
     # round) adds that time
     report_ttl: float = reports.REPORT_EXPIRATION
@@ -96,7 +99,10 @@ class RoleContext(Generic[SpecT]):
         from hivekeeper.auth.authorizer import make_authorizer
 
         # a lab's peer names its role and itself: the token service checks both against the lab's entry
-        return make_authorizer(self.args.gateway, self.args.invite, role=self.option("lab_role"), peer=self.peer_name)
+        authorizer = make_authorizer(self.args.gateway, self.args.invite, role=self.option("lab_role"),
+                                     peer=self.peer_name)
+        self.lab = authorizer.admitted_as
+        return authorizer
 
     def _make_dht(self, client_mode: bool, **p2p_options: Any):
         import hivemind
@@ -151,7 +157,7 @@ class RoleContext(Generic[SpecT]):
         self.maddrs = [] if client_mode else [str(a) for a in dht.get_visible_maddrs()]
         self.metrics.peer_info.info(
             {"swarm": self.run_id, "role": self.role, "peer": self.peer_name, "peer_id": str(dht.peer_id),
-             "client_mode": str(bool(client_mode)).lower()}
+             "client_mode": str(bool(client_mode)).lower(), "lab": self.lab or ""}
         )
         return dht
 
@@ -160,7 +166,8 @@ class RoleContext(Generic[SpecT]):
         from hivemind.utils import get_dht_time
 
         record = {"role": self.role, "name": self.peer_name, "time": time.time(), "peerId": str(dht.peer_id),
-                  "metrics": self.metrics_address, "clientMode": self.client_mode, "maddrs": self.maddrs, **report}
+                  "metrics": self.metrics_address, "clientMode": self.client_mode, "maddrs": self.maddrs,
+                  **({"lab": self.lab} if self.lab else {}), **report}
         dht.store(self.run_id + reports.PEERS_KEY, subkey=str(dht.peer_id), value=record,
                   expiration_time=get_dht_time() + self.report_ttl, return_future=True)
 
