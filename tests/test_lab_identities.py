@@ -22,6 +22,7 @@ from hivekeeper.auth.tokens import mint_invite, verify_access_token
 from hivekeeper.commands.run import register
 from hivekeeper.kinds import KIND_MODULES, runtime
 from hivekeeper.peer_table import lab_table, status_view
+from hivekeeper.swarm.monitor import labs_of
 from hivekeeper.spec import swarm, blockserver, expertpool
 
 HOUR = 3600.0
@@ -185,3 +186,16 @@ def test_status_sums_the_peers_by_lab():
     assert ["lab-b", "2", "2", "trainer", "150"] in lines, text
     # without other labs, only the peers
     assert lab_table(reports[:2]) is None and status_view("digits", reports[:2]).columns[1].header == "role"
+
+
+def test_the_monitor_sums_each_partys_part():
+    reports = [{"role": "backbone"}, {"role": "trainer", "samplesPerSecond": 100.04, "samples": 3000,
+                                      "averagingBytesSent": 10},
+               {"role": "trainer", "lab": "lab-b", "samplesPerSecond": 50.0, "samples": 1000, "averagingBytesSent": 5},
+               {"role": "backbone", "lab": "lab-b"}, {"role": "trainer", "lab": "lab-b", "samples": "garbage"}]
+    assert labs_of(reports, "digits") == [
+        {"name": "digits", "host": True, "peers": 2, "samplesPerSecond": 100.0, "samples": 3000, "share": 0.75,
+         "averagingBytesSent": 10},
+        {"name": "lab-b", "host": False, "peers": 3, "samplesPerSecond": 50.0, "samples": 1000, "share": 0.25,
+         "averagingBytesSent": 5}]
+    assert labs_of(reports[:2], "digits") is None  # the host alone: nothing to break down

@@ -237,7 +237,8 @@ def test_swarm_becomes_children_with_owner_references(cluster, client, start_ope
 
     monitor.reading = {"globalStep": 42, "samplesPerSecond": 1234.56, "loss": 0.5, "evalMetrics": {"accuracy": 0.9},
                        "peersAlive": {"backbone": 1, "trainer": 3, "auxiliary": 1, "monitor": 1, "balancer": 1},
-                       "stepsPerSecond": 0.41, "plan": {"stepsPerSecond": 1.19, "computeBound": 1.19}}
+                       "stepsPerSecond": 0.41, "plan": {"stepsPerSecond": 1.19, "computeBound": 1.19},
+                       "labs": [*LABS, {"name": "broken", "peers": -1}]}  # a row the CRD refuses is dropped
     become_ready(cluster)
     running = wait_for(lambda: (s := swarm(cluster))["status"].get("globalStep") == 42
                        and s["status"]["phase"] == "Running" and s, what="a Running status with live figures")
@@ -247,6 +248,7 @@ def test_swarm_becomes_children_with_owner_references(cluster, client, start_ope
     assert status["achievedStepsPerSecond"] == 0.41 and status["predictedStepsPerSecond"] == 1.19
     assert status["efficiency"] == 0.34
     assert status["peersAlive"] == {"backbone": 1, "trainer": 3, "auxiliary": 1, "monitor": 1, "balancer": 1}
+    assert status["labs"] == LABS
     assert status["trainers"] == {"desired": 3, "replicas": 3, "ready": 3}
     assert status["selector"] == "hivekeeper.dev/swarm=digits,hivekeeper.dev/component=trainer"
     assert {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]} == {
@@ -257,6 +259,13 @@ def test_swarm_becomes_children_with_owner_references(cluster, client, start_ope
     assert running["spec"] == example()["spec"]
     assert running["metadata"]["generation"] == 1
     assert not running["metadata"].get("finalizers")
+
+
+# the monitor's parts of each party (hivekeeper.swarm.monitor.labs_of)
+LABS = [{"name": "digits", "host": True, "peers": 5, "samplesPerSecond": 900.0, "samples": 9000, "share": 0.75,
+         "averagingBytesSent": 4096},
+        {"name": "lab-b", "host": False, "peers": 2, "samplesPerSecond": 334.6, "samples": 3000, "share": 0.25,
+         "averagingBytesSent": 2048}]
 
 
 def test_scale_rolls_nothing_and_a_change_rolls_only_its_roles(cluster, client, start_operator):

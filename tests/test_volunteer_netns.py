@@ -396,6 +396,12 @@ def test_direct_volunteer_contributes(cluster, tmp_path):
         report = contributes(cluster, volunteer, "direct")
         assert report.get("lab") == LAB, report  # the swarm's DHT tells whose peer it is
         assert (cluster.status("auth-0") or {}).get("labPeers") == {LAB: 1}
+        def parts() -> Optional[dict[str, Any]]:
+            found = {p["name"]: p for p in (cluster.status("monitor-0") or {}).get("labs") or []}
+            return found if LAB in found else None
+
+        found = wait_for(parts, 30, "the monitor to show the lab's part")
+        assert found[LAB]["peers"] == 1 and found[LAB]["samples"] > 0 and found[NAME]["host"], found
 
 
 @pytest.mark.timeout(600)

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from pydantic import ValidationError
 
 from hivekeeper.kinds import runtime
-from hivekeeper.spec.crd import KINDS, RoleStatus
+from hivekeeper.spec.crd import KINDS, LabStatus, RoleStatus
 
 from hivekeeper_operator.conditions import Cond, render_conditions, seconds_in_state
 from hivekeeper_operator.plan import JOB_BACKOFF_LIMIT, Component, Plan, scaled_component
@@ -158,7 +158,7 @@ def monitor_figures(kind: str, reading: dict[str, Any] | None, previous: dict[st
     """A Swarm monitor's /status, rounded (a status write per digit would be churn), with the
     balancer's planned rate; the last reading stays while the monitor does not answer."""
     keys = ("globalStep", "samplesPerSecond", "achievedStepsPerSecond", "predictedStepsPerSecond", "efficiency",
-            "outerSteps", "loss", "evalMetrics", "peersAlive")
+            "outerSteps", "loss", "evalMetrics", "peersAlive", "labs")
     if not reading:
         return {k: previous[k] for k in keys + ("lastMonitorUpdate",) if k in previous}
 
@@ -184,9 +184,19 @@ def monitor_figures(kind: str, reading: dict[str, Any] | None, previous: dict[st
         figures["evalMetrics"] = {k: float(v) for k, v in reading["evalMetrics"].items() if number(v)}
     if isinstance(reading.get("peersAlive"), dict):
         figures["peersAlive"] = {k: int(v) for k, v in reading["peersAlive"].items() if isinstance(v, int)}
+    if isinstance(reading.get("labs"), list):
+        figures["labs"] = [lab for lab in reading["labs"] if _valid(LabStatus, lab)]
     changed = any(previous.get(k) != v for k, v in figures.items())
     figures["lastMonitorUpdate"] = now if changed or "lastMonitorUpdate" not in previous else previous["lastMonitorUpdate"]
     return figures
+
+
+def _valid(model: Any, value: Any) -> bool:
+    try:
+        model.model_validate(value)
+    except ValidationError:
+        return False
+    return True
 
 
 FIGURES: dict[str, Figures] = {"Swarm": monitor_figures}  # every other kind: model_figures

@@ -82,6 +82,18 @@ class ResourceStatus(SpecModel):
     volunteer_relays: list[str] = Field(default_factory=list, description="the relays' public multiaddrs")
 
 
+class LabStatus(SpecModel):
+    """One party's part in a swarm: the host's own peers, or a lab's (or a volunteer's)."""
+
+    name: str = Field(..., description="the lab's identity; the host's row is named after the resource")
+    host: bool = Field(False, description="the host's own peers")
+    peers: int = Field(0, ge=0, description="its peers reporting in the DHT")
+    samples_per_second: float = Field(0.0, ge=0, description="its trainers' samples/s")
+    samples: int = Field(0, ge=0, description="samples its trainers have computed")
+    share: float = Field(0.0, ge=0, le=1, description="its part of the samples computed so far")
+    averaging_bytes_sent: int = Field(0, ge=0, description="bytes its trainers sent in averaging rounds")
+
+
 class SwarmStatus(ResourceStatus):
     trainers: Optional[RoleStatus] = Field(None, description="the trainers' pods")
     auxiliary: Optional[RoleStatus] = Field(None, description="the auxiliary peers' pods")
@@ -89,6 +101,8 @@ class SwarmStatus(ResourceStatus):
     balancer: Optional[RoleStatus] = Field(None, description="the balancer's pod")
     selector: Optional[str] = Field(None, description="label selector of the trainer pods (scale subresource)")
     peers_alive: dict[str, int] = Field(default_factory=dict, description="peers reporting in the DHT, by role")
+    labs: list[LabStatus] = Field(default_factory=list, max_length=1000,
+                                  description="each party's peers and part, once labs or volunteers take part")
     global_step: Optional[int] = Field(None, ge=0, description="the collaboration's optimizer step (monitor)")
     samples_per_second: Optional[float] = Field(None, ge=0, description="collaboration throughput (monitor)")
     achieved_steps_per_second: Optional[float] = Field(
