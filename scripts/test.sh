@@ -5,18 +5,20 @@
 #      process of their own;
 #   2. unit: everything that starts no swarm (specs, planners, the operator against the
 #      emulator, the chart, the docs), two pytest workers at once (pytest-xdist);
-#   3. swarm: real hivemind peers on loopback, and volunteers behind a NAT in network
-#      namespaces (the `netns` tests need root and skip without it), one at a time;
+#   3. swarm: real hivemind peers on loopback, one at a time; then netns: volunteers behind a
+#      NAT in network namespaces (they need root and skip without it), once the cluster tier
+#      is done;
 #   4. cluster: the real-cluster tier (tests/e2e): `scripts/cluster.sh up` starts a Kubernetes
 #      on this machine (waiting for binaries and an image that CI may still be building), the
 #      tests helm-install the operator and kubectl-apply every kind, and `scripts/cluster.sh
 #      down` removes it all again. Needs root and Go; skipped without them, or with
 #      HIVEKEEPER_E2E=0.
-# The cluster tier runs beside the other three, from the start: its output goes to a log that
-# is printed when it ends (in $HIVEKEEPER_CI_DIR, or a temporary folder). The tiers' tests wait
-# for events, never for fixed windows, so a busier machine makes them slower, not different
-# (the swarm tests most sensitive to timing pass with a busy loop on each core: docs/explanation/
-# testing.md). HIVEKEEPER_CLUSTER_BESIDE=0 runs it after the others instead.
+# The cluster tier runs beside the isolated, unit and swarm tiers, from the start: its output
+# goes to a log that is printed when it ends (in $HIVEKEEPER_CI_DIR, or a temporary folder). The
+# tiers' tests wait for events, never for fixed windows, so a busier machine makes them slower,
+# not different (the swarm tests most sensitive to timing pass with a busy loop on each core:
+# docs/explanation/testing.md). The netns tier waits for it: both change network namespaces and
+# iptables. HIVEKEEPER_CLUSTER_BESIDE=0 runs the cluster tier last instead.
 # Every tier runs even when an earlier one failed; the exit code is the first failure's.
 # With $HIVEKEEPER_REPORTS, each tier writes its JUnit XML there (CI's slowest-tests summary),
 # and with $HIVEKEEPER_PHASES each tier's time is recorded (scripts/phases.sh).
@@ -74,12 +76,15 @@ if [ "$beside" = 1 ]; then
 fi
 tier isolated -m "isolated"; codes+=($?)
 tier unit -n 2 -m "not isolated and not e2e and not swarm and not netns"; codes+=($?)
-tier swarm -m "not isolated and not e2e and (swarm or netns)"; codes+=($?)
+tier swarm -m "not isolated and not e2e and swarm and not netns"; codes+=($?)
 if [ "$beside" = 1 ]; then
   wait "$cluster_job"; codes+=($?)
   echo "=== tier cluster (ran beside the others) ===" >&2
   cat "$cluster_log" >&2
-else
+fi
+# The namespace tests change network namespaces and iptables as the cluster does: never both.
+tier netns -m "not isolated and not e2e and netns"; codes+=($?)
+if [ "$beside" != 1 ]; then
   cluster_tier; codes+=($?)
 fi
 for code in "${codes[@]}"; do
