@@ -35,7 +35,7 @@ class RoleContext(Generic[SpecT]):
     status: dict[str, Any] = field(default_factory=dict)
     client_mode: bool = False  # set by make_dht: whether this peer accepts connections
     maddrs: list[str] = field(default_factory=list)  # set by make_dht: where others dial this peer
-    # set by authorizer: the lab (or volunteer) whose invite admitted this peer; None for the
+    # set by make_dht: the lab (or volunteer) whose invite admitted this peer; None for the
     # swarm's own peers. Its reports and peer_info say so, for the breakdowns by lab
     lab: str | None = None
     # how long a report outlives its peer's silence: a kind whose steps block (a Swarm's averaging
@@ -102,10 +102,7 @@ class RoleContext(Generic[SpecT]):
         from hivekeeper.auth.authorizer import make_authorizer
 
         # a lab's peer names its role and itself: the token service checks both against the lab's entry
-        authorizer = make_authorizer(self.args.gateway, self.args.invite, role=self.option("lab_role"),
-                                     peer=self.peer_name)
-        self.lab = authorizer.admitted_as
-        return authorizer
+        return make_authorizer(self.args.gateway, self.args.invite, role=self.option("lab_role"), peer=self.peer_name)
 
     def _make_dht(self, client_mode: bool, **p2p_options: Any):
         import hivemind
@@ -123,6 +120,7 @@ class RoleContext(Generic[SpecT]):
         self.client_mode = client_mode
         relays = list(self.option("relay") or ())
         authorizer = self.authorizer()
+        self.lab = authorizer.admitted_as if authorizer is not None else None
         if authorizer is not None:  # before the DHT forks its process: it serves RPCs too
             from hivekeeper.hivemind_ext.admission import install
 
