@@ -90,6 +90,26 @@ def parent_pid(pid: int) -> int | None:
     return None
 
 
+@pytest.fixture(autouse=True)
+def _p2pd_dies_with_its_dht(request):
+    """In a test that starts hivemind peers in this process (isolated, swarm), every p2pd starts
+    with its parent-death signal set, as a role's does (`runtime.lifeline`): a DHT process that
+    dies takes its p2pd with it. (hivemind's DHT process dies when a request arrives from an
+    averager process that has just exited: its pipe cannot be unpickled.)"""
+    global _P2PD_DIES_WITH_ITS_DHT
+    if not _P2PD_DIES_WITH_ITS_DHT and (request.node.get_closest_marker("isolated")
+                                        or request.node.get_closest_marker("swarm")):
+        from hivekeeper.hivemind_ext.p2pd import die_with_parent
+        from hivekeeper.runtime.lifeline import exec_prefix
+
+        die_with_parent(exec_prefix())
+        _P2PD_DIES_WITH_ITS_DHT = True
+    yield
+
+
+_P2PD_DIES_WITH_ITS_DHT = False
+
+
 @pytest.fixture
 def no_leaked_p2pd():
     """Fails the test if it leaves an orphaned p2pd behind: one whose hivemind process is gone.

@@ -302,6 +302,7 @@ CROSS_FIELD: dict[str, dict[str, tuple[dict[str, Any], str]]] = {
         "a task other than digits": ({"task": {"name": "causal-lm"}}, "spec.task.name"),
         "a lab running auxiliaries": ({"volunteers": {"labs": [{"name": "b", "maxPeers": 1, "roles": ["auxiliary"]}]}},
                                       "spec.volunteers.labs"),
+        "no trainer in a pool that joins no other": ({"trainers": {"replicas": 0}}, "spec.trainers.replicas"),
         "kMin above kBest": ({"trainers": {"dmoe": {"kMin": 5}}}, "spec.trainers.dmoe.kMin"),
         "kBest above the grid": ({"grid": {"dimensions": [3]}}, "spec.trainers.dmoe.kBest"),
         "kBest above the experts the servers hold": ({"servers": {"expertsPerServer": 1}}, "spec.trainers.dmoe.kBest"),
@@ -360,7 +361,8 @@ def test_every_cel_rule_has_a_bad_manifest():
                 for rule in rule_node["x-kubernetes-validations"]:
                     if list(_failures({"x-kubernetes-validations": [rule]}, _typed(rule_node, value), "")):
                         broken.add((rule["rule"], rule["message"]))
-    assert all_rules() - broken == set()
+    host_owned = {rule for rule in all_rules() if "takes this from the host" in rule[1]}  # test_join_spec's
+    assert all_rules() - host_owned - broken == set()
 
 
 def _rule_nodes(node: dict[str, Any], value: Any) -> Iterator[tuple[dict[str, Any], Any]]:

@@ -6,12 +6,13 @@ The CRD schema is generated from these models (`hivekeeper.spec.crd`)."""
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, StrictBool, model_validator
 
 from hivekeeper.spec.base import CelRule, SpecModel
 from hivekeeper.spec.common import BackboneSpec, Resources
+from hivekeeper.spec.join import JOIN_DESCRIPTION, JoinSpec, check_join
 from hivekeeper.spec.placement import Placement, check_placements
 from hivekeeper.spec.storage import ModelVolumeSpec
 from hivekeeper.spec.volunteers import VolunteersSpec, check_lab_roles, lab_roles_rule
@@ -124,6 +125,9 @@ def _tiny(field: str) -> str:
 
 # what a lab that joins this kind may run (spec.volunteers.labs)
 LAB_ROLES = ("backbone", "server")
+# what a joining BlockServer (spec.join) states itself: its servers, their hardware and place
+LAB_OWNED = ("join", "placement", "backbone", "servers.replicas", "servers.resources", "servers.placement",
+             "servers.device", "servers.torchThreads")
 
 
 class BlockServerSpec(SpecModel):
@@ -137,7 +141,9 @@ class BlockServerSpec(SpecModel):
     volunteers: VolunteersSpec = Field(default_factory=VolunteersSpec,
                                        description="let machines outside the cluster join as servers, by token")
     placement: Placement = Field(default_factory=Placement, description="every pod's; merged under each group's")
+    join: Optional[JoinSpec] = Field(None, description=JOIN_DESCRIPTION)
 
+    lab_owned: ClassVar[tuple[str, ...]] = LAB_OWNED
     cel_rules = (
         lab_roles_rule(LAB_ROLES, "BlockServer"),
         CelRule(f"has(self.model.checkpoint) || !self.client.enabled || "
@@ -169,6 +175,7 @@ class BlockServerSpec(SpecModel):
                              f"servers.cacheTokens ({self.servers.cache_tokens})")
         check_lab_roles(self.volunteers, LAB_ROLES, "BlockServer")
         check_placements(self)
+        check_join(self, LAB_OWNED, "BlockServer")
         return self
 
 

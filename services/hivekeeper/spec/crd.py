@@ -38,6 +38,7 @@ from pydantic_core import core_schema, to_jsonable_python
 
 from hivekeeper import API_GROUP, API_VERSION
 from hivekeeper.spec.base import SpecModel
+from hivekeeper.spec.join import host_owned_rules
 from hivekeeper.spec.manifest import _NAME, SPEC_MODELS, Metadata
 from hivekeeper.spec.placement import free_form_paths
 
@@ -448,7 +449,11 @@ def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
 def crd(kind: str) -> dict[str, Any]:
     """The CustomResourceDefinition of one kind, as a plain dict ready for YAML."""
     info = KINDS[kind]
-    spec_schema = openapi_schema(SPEC_MODELS[kind], info.preserve_unknown, info.extra_constraints)
+    model = SPEC_MODELS[kind]
+    spec_schema = openapi_schema(model, info.preserve_unknown, info.extra_constraints)
+    # a joining resource's host-owned fields (spec.join): rules over the whole spec's schema
+    spec_schema.setdefault("x-kubernetes-validations", []).extend(
+        rule.render() for rule in host_owned_rules(model, model.lab_owned, kind, spec_schema))
     status_schema = openapi_schema(info.status_model, store_defaults=False)
     name_field = Metadata.model_fields["name"]
     max_name = next(m.max_length for m in name_field.metadata if hasattr(m, "max_length"))

@@ -8,12 +8,13 @@ there too (it imports the manifest module, which imports this one)."""
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal, Optional
+from typing import Annotated, ClassVar, Literal, Optional
 
 from pydantic import Field, StrictBool, model_validator
 
 from hivekeeper.spec.base import CelRule, SpecModel
 from hivekeeper.spec.common import BackboneSpec, Resources
+from hivekeeper.spec.join import JOIN_DESCRIPTION, JoinSpec, check_join
 from hivekeeper.spec.placement import DNS_SUBDOMAIN, Placement, check_placements
 from hivekeeper.spec.storage import VolumeClaimSpec, check_claim, claim_rules
 from hivekeeper.spec.training import OptimizerSpec, StoppingSpec, TaskSpec
@@ -115,7 +116,8 @@ class DMoESpec(SpecModel):
 
 
 class ExpertTrainerSpec(SpecModel):
-    replicas: int = Field(1, ge=1, description="trainers; each has its own gating and local layers, the experts are shared")
+    replicas: int = Field(1, ge=0, description="trainers; each has its own gating and local layers, the experts are "
+                                               "shared (none only in a pool that joins another: spec.join)")
     batch_size: int = Field(32, ge=1, description="examples per trainer batch")
     batches_in_flight: int = Field(4, ge=1, le=256, description="asynchronous training: batches processed concurrently")
     optimizer: OptimizerSpec = Field(default_factory=lambda: OptimizerSpec(learning_rate=3e-3),
@@ -134,6 +136,9 @@ def _grid_size() -> str:
 
 # what a lab that joins this kind may run (spec.volunteers.labs)
 LAB_ROLES = ("backbone", "server", "trainer")
+# what a joining ExpertPool (spec.join) states itself: its servers and trainers, their hardware and place
+LAB_OWNED = ("join", "placement", "backbone", "servers.replicas", "servers.resources", "servers.placement",
+             "trainers.replicas", "trainers.resources", "trainers.placement")
 
 
 class ExpertPoolSpec(SpecModel):
@@ -153,6 +158,9 @@ class ExpertPoolSpec(SpecModel):
     volunteers: VolunteersSpec = Field(default_factory=VolunteersSpec,
                                        description="let machines outside the cluster join as expert servers, by token")
     placement: Placement = Field(default_factory=Placement, description="every pod's; merged under each group's")
+    join: Optional[JoinSpec] = Field(None, description=JOIN_DESCRIPTION)
+
+    lab_owned: ClassVar[tuple[str, ...]] = LAB_OWNED
 
     @property
     def hosted_experts(self) -> int:
@@ -162,6 +170,8 @@ class ExpertPoolSpec(SpecModel):
 
     cel_rules = (
         lab_roles_rule(LAB_ROLES, "ExpertPool"),
+        CelRule("has(self.join) || self.trainers.replicas >= 1",
+                "a pool needs a trainer (only one that joins another may have none)", ".trainers.replicas"),
         CelRule("self.task.name == 'digits'", "ExpertPool trainers learn the digits task", ".task.name"),
         # the task's options: the operator checks them (InvalidSpec)
         CelRule("self.trainers.dmoe.kMin <= self.trainers.dmoe.kBest", "exceeds trainers.dmoe.kBest",
@@ -198,6 +208,9 @@ class ExpertPoolSpec(SpecModel):
         if self.servers.announce_expiration_seconds <= self.servers.announce_period_seconds:
             raise ValueError("servers.announceExpirationSeconds must exceed announcePeriodSeconds, "
                              "or experts vanish from the DHT between announcements")
+        if self.trainers.replicas == 0 and self.join is None:
+            raise ValueError("trainers.replicas: a pool needs a trainer (only one that joins another may have none)")
         check_lab_roles(self.volunteers, LAB_ROLES, "ExpertPool")
         check_placements(self)
+        check_join(self, LAB_OWNED, "ExpertPool")
         return self

@@ -5,12 +5,13 @@ added here is a field the cluster accepts."""
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, StrictBool, model_validator
 
 from hivekeeper.spec.base import CelRule, SpecModel
 from hivekeeper.spec.common import BackboneSpec, Resources
+from hivekeeper.spec.join import JOIN_DESCRIPTION, JoinSpec, check_join
 from hivekeeper.spec.placement import DNS_SUBDOMAIN, Placement, check_placements
 from hivekeeper.spec.storage import VolumeClaimSpec, check_claim, claim_rules
 from hivekeeper.spec.training import OptimizerSpec, StoppingSpec, TaskSpec
@@ -231,6 +232,9 @@ class MonitorSpec(SpecModel):
 
 # what a lab that joins this kind may run (spec.volunteers.labs)
 LAB_ROLES = ("backbone", "trainer", "auxiliary")
+# what a joining Swarm (spec.join) states itself: its peers, their hardware, place and reach
+LAB_OWNED = ("join", "placement", "backbone", "trainers.replicas", "trainers.resources", "trainers.placement",
+             "trainers.clientMode", "trainers.bandwidth", "auxiliary")
 
 
 class SwarmSpec(SpecModel):
@@ -253,7 +257,9 @@ class SwarmSpec(SpecModel):
     volunteers: VolunteersSpec = Field(default_factory=VolunteersSpec,
                                        description="let machines outside the cluster join, by token")
     placement: Placement = Field(default_factory=Placement, description="every pod's; merged under each group's")
+    join: Optional[JoinSpec] = Field(None, description=JOIN_DESCRIPTION)
 
+    lab_owned: ClassVar[tuple[str, ...]] = LAB_OWNED
     cel_rules = (
         lab_roles_rule(LAB_ROLES, "Swarm"),
         CelRule("self.trainers.batchSize <= self.targetBatchSize", "exceeds targetBatchSize", ".trainers.batchSize"),
@@ -296,4 +302,5 @@ class SwarmSpec(SpecModel):
             raise ValueError("stopping.targetMetric needs monitor.enabled: the monitor evaluates held-out metrics")
         check_lab_roles(self.volunteers, LAB_ROLES, "Swarm")
         check_placements(self)
+        check_join(self, LAB_OWNED, "Swarm")
         return self
