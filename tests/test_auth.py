@@ -334,6 +334,25 @@ def test_join_refuses_an_identity_off_the_allowlist_and_a_silent_gateway_clearly
         assert not (tmp_path / name / "manifest.json").exists()
 
 
+def test_the_probe_tells_a_joining_lab_what_it_joins_or_why_not(gateway, swarm_key, other_key):
+    """What the operator asks for a lab's resource with spec.join (hivekeeper.auth.probe, run as
+    the operator runs it: a process of its own), and each reason it can be refused."""
+    from hivekeeper.auth.probe import probe
+    from hivekeeper_operator.joining import subprocess_prober
+
+    assert subprocess_prober(gateway.address, invite(swarm_key, "alice")) == {"identity": "alice", "swarm": SWARM_INFO}
+    cases = {
+        "GatewayUnreachable": (f"127.0.0.1:{free_port()}", invite(swarm_key, "alice")),
+        "GatewayKeyMismatch": (gateway.address, invite(other_key, "alice")),  # another swarm's invite
+        "InviteRefused": (gateway.address, invite(swarm_key, "mallory")),  # off the allowlist, or revoked
+        "InviteExpired": (gateway.address, invite(swarm_key, "alice", hours=-1)),
+        "InviteInvalid": (gateway.address, "hk1.not-an-invite"),
+    }
+    for reason, (address, text) in cases.items():
+        answer = probe(address, text, timeout=3)
+        assert answer.get("reason") == reason and answer["message"], (reason, answer)
+
+
 def test_health_service_reports_serving(gateway):
     with pinned_channel(gateway.address, gateway.key_fingerprint) as channel:
         check = health_pb2_grpc.HealthStub(channel).Check

@@ -249,6 +249,7 @@ def test_every_collaborative_step_is_a_large_batch_sgd_step(tmp_path, no_leaked_
                           parameters_averaged=parameter_rounds.count("averaged"),
                           spread=spread, loss_error=loss_error, update_error=max(update_errors, default=None),
                           updates=len(update_errors), partial=sum(map(partial, group)),
+                          computed=sum(1 for r in group if r["batches"]),
                           resynced=sum(map(resynced, group)), apart=apart,
                           replica_spread=replica_spread))
 
@@ -267,8 +268,11 @@ def test_every_collaborative_step_is_a_large_batch_sgd_step(tmp_path, no_leaked_
     # Once every trainer has joined, every step is one large-batch SGD step of one model: all
     # trainers (and the auxiliary) in the round, at least the global batch, the same parameters
     # before it, each member's update exact, and the replicas equal after it. Only the last
-    # steps, which the stop cuts short, may lack a member's records.
-    joined = next((i for i, s in enumerate(steps) if trainer_ids <= s["members"]), None)
+    # steps, which the stop cuts short, may lack a member's records. A trainer has joined once it
+    # computed batches for a step: a late one may first be in a round with none (it has just
+    # taken the swarm's state), and that step is still the others'.
+    joined = next((i for i, s in enumerate(steps) if trainer_ids <= s["members"] and s["computed"] == len(TRAINERS)),
+                  None)
     assert joined is not None, f"no step averaged every trainer\n{report}"
     complete = [s for s in steps[joined:]
                 if s["records"] == len(TRAINERS) and s["updates"] + s["partial"] + s["resynced"] == len(TRAINERS)]

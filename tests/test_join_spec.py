@@ -115,3 +115,17 @@ def test_the_gateway_is_host_and_port(gateway, accepted):
     doc = document("Swarm", {"join": {**JOIN, "gateway": gateway}})
     assert (schema_errors(doc) == []) == accepted
     assert (model_error(doc) is None) == accepted
+
+
+def test_up_refuses_a_joining_manifest_and_names_hivekeeper_join(tmp_path, capsys):
+    import yaml
+
+    from hivekeeper.cli import main
+
+    path = tmp_path / "lab-b.yaml"
+    path.write_text(yaml.safe_dump(document("Swarm", JOINING["Swarm"])))
+    assert main(["up", str(path), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"hivekeeper join {JOIN['gateway']}" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+    assert main(["validate", str(path)]) == 0  # the manifest itself is fine

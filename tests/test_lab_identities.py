@@ -22,7 +22,7 @@ from hivekeeper.auth.tokens import mint_invite, verify_access_token
 from hivekeeper.commands.run import register
 from hivekeeper.kinds import KIND_MODULES, runtime
 from hivekeeper.peer_table import lab_table, status_view
-from hivekeeper.swarm.monitor import labs_of
+from hivekeeper.swarm.parties import labs_of
 from hivekeeper.spec import swarm, blockserver, expertpool
 
 HOUR = 3600.0

@@ -261,7 +261,7 @@ def test_swarm_becomes_children_with_owner_references(cluster, client, start_ope
     assert not running["metadata"].get("finalizers")
 
 
-# the monitor's parts of each party (hivekeeper.swarm.monitor.labs_of)
+# the monitor's parts of each party (hivekeeper.swarm.parties.labs_of)
 LABS = [{"name": "digits", "host": True, "peers": 5, "samplesPerSecond": 900.0, "samples": 9000, "share": 0.75,
          "averagingBytesSent": 4096},
         {"name": "lab-b", "host": False, "peers": 2, "samplesPerSecond": 334.6, "samples": 3000, "share": 0.25,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from hivekeeper.topology import JOIN_INVITE
+
 P2P_PORT = 31337
 METRICS_PORT = 9300
 GRPC_PORT = 50051  # the token service (auth role)
@@ -13,6 +15,7 @@ KEYS_DIR = "/var/run/hivekeeper/keys"
 INVITES_DIR = "/var/run/hivekeeper/invites"  # Secret NAME-invites: every role's invite
 SWARM_KEY_DIR = "/var/run/hivekeeper/swarm-auth"  # Secret NAME-swarm-auth: the auth role's signing key
 ALLOWLIST_DIR = "/var/run/hivekeeper/allowlist"  # the user's Secret named by volunteers.allowlistSecret
+JOIN_DIR = "/var/run/hivekeeper/join"  # a joining lab's invite: the user's Secret named by join.inviteSecret
 CONFIG_DIR = "/etc/hivekeeper"
 RUN_DIR = "/var/lib/hivekeeper"
 POD_IP_VARIABLE = "$(POD_IP)"
@@ -22,10 +25,13 @@ class KubernetesNetwork:
     listen_host = "0.0.0.0"
 
     def __init__(self, swarm: str, namespace: str, cluster_domain: str = "cluster.local",
-                 relay_public_hosts: Sequence[Optional[str]] = (), relay_port: int = P2P_PORT):
+                 relay_public_hosts: Sequence[Optional[str]] = (), relay_port: int = P2P_PORT,
+                 entry_points: Sequence[str] = (), index_base: int = 0):
         self.swarm, self.namespace, self.cluster_domain = swarm, namespace, cluster_domain
         self.relay_public_hosts = list(relay_public_hosts)  # None: its LoadBalancer has no address yet
         self.relay_port = relay_port  # the first relay's public port (volunteers.relayPort)
+        self.entry_points = tuple(entry_points)  # a joining lab's: the host's (topology.Network)
+        self.index_base = index_base
 
     def port(self, role_name: str, port_name: str) -> int:
         return {"p2p": P2P_PORT, "grpc": GRPC_PORT}.get(port_name, METRICS_PORT)
@@ -52,5 +58,6 @@ class KubernetesNetwork:
         return f"{host}:{self.relay_port + index}" if host else None
 
     def access_path(self, name: str) -> str:
-        directory = {"swarm-auth.pem": SWARM_KEY_DIR, "allowlist": ALLOWLIST_DIR, "swarm-info.json": CONFIG_DIR}
+        directory = {"swarm-auth.pem": SWARM_KEY_DIR, "allowlist": ALLOWLIST_DIR, "swarm-info.json": CONFIG_DIR,
+                     JOIN_INVITE: JOIN_DIR}
         return f"{directory.get(name, INVITES_DIR)}/{name}"

@@ -31,9 +31,10 @@ from hivekeeper.kinds import KindRuntime, runtime
 from hivekeeper.spec import Manifest
 from hivekeeper.spec.crd import KINDS
 from hivekeeper.spec.volunteers import VolunteersSpec
-from hivekeeper.topology import METRICS, Role, relay_maddrs, volunteer_info
+from hivekeeper.topology import METRICS, Role, lab_index_base, relay_maddrs, volunteer_info
 
 from hivekeeper_operator import pods, volunteers
+from hivekeeper_operator.joining import HostSwarm, lab_components
 from hivekeeper_operator.network import CONFIG_DIR, P2P_PORT, RUN_DIR, KubernetesNetwork
 from hivekeeper_operator.pods import LABEL_INSTANCE, LABEL_METRICS, WorkloadSettings, child_name
 from hivekeeper_operator.storage import Storage, storage_of
@@ -58,6 +59,7 @@ class Request:
     access: VolunteerAccess | None = None  # iff spec.volunteers is enabled
     completed: bool = False  # the run is over: stop every peer
     service_monitor: bool = False
+    joined: HostSwarm | None = None  # spec.join: the swarm this lab takes part in (`manifest` is its plan)
 
 
 @dataclass
@@ -99,11 +101,13 @@ def door_of(manifest: Manifest) -> VolunteersSpec | None:
     return door if door is not None and door.enabled else None
 
 
-def network_of(manifest: Manifest, settings: WorkloadSettings,
-               relay_hosts: list[str | None] | None = None) -> KubernetesNetwork:
+def network_of(manifest: Manifest, settings: WorkloadSettings, relay_hosts: list[str | None] | None = None,
+               joined: HostSwarm | None = None) -> KubernetesNetwork:
     door = door_of(manifest)
     return KubernetesNetwork(manifest.metadata.name, manifest.metadata.namespace, settings.cluster_domain,
-                             relay_public_hosts=relay_hosts or [], relay_port=door.relay_port if door else P2P_PORT)
+                             relay_public_hosts=relay_hosts or [], relay_port=door.relay_port if door else P2P_PORT,
+                             entry_points=joined.entry_points if joined else (),
+                             index_base=lab_index_base(joined.identity) if joined else 0)
 
 
 def render_roles(manifest: Manifest, peer_ids: dict[str, str], settings: WorkloadSettings,
@@ -142,13 +146,19 @@ def components_of(kind: KindRuntime, roles: list[Role], sample: list[Role]) -> l
     return [c for c in out.values() if c.roles or not c.job]  # a Job of no roles would end the run at once
 
 
-def config_hash(manifest: Manifest, kind: KindRuntime, component: Component, info: dict[str, Any] | None) -> str:
+def pods_manifest(request: Request) -> dict[str, Any]:
+    """The manifest.json the pods read: the resource's own, or a joining lab's host's."""
+    return request.joined.document if request.joined else rendered_manifest(request.manifest)
+
+
+def config_hash(document: dict[str, Any], kind: KindRuntime, component: Component, info: dict[str, Any] | None) -> str:
     """What a component's pods read at start: the spec sections it reads (`section_readers`;
-    every section, by default) less the counts, resources and placement the template states,
-    except for the counts of components whose roles depend on them (`scale_restarts`); its first
-    role's arguments; and the swarm info, if its arguments name that file."""
+    every section, by default) of the manifest `document`, less the counts, resources and
+    placement the template states, except for the counts of components whose roles depend on them
+    (`scale_restarts`); its first role's arguments; and the swarm info, if its arguments name
+    that file."""
     read: dict[str, Any] = {}
-    for section, value in rendered_manifest(manifest)["spec"].items():
+    for section, value in document["spec"].items():
         if section == PLACEMENT or component.name not in kind.section_readers.get(section, (component.name,)):
             continue
         if isinstance(value, dict):
@@ -188,7 +198,7 @@ class Draft:
 
 
 def config_map(d: Draft) -> list[dict[str, Any]]:
-    data = {"manifest.json": json.dumps(rendered_manifest(d.request.manifest), indent=2, sort_keys=True),
+    data = {"manifest.json": json.dumps(pods_manifest(d.request), indent=2, sort_keys=True),
             "roles.json": json.dumps({r.name: {"component": r.component, "args": list(r.args)} for r in d.roles},
                                      indent=2, sort_keys=True)}
     if d.info is not None:
@@ -228,6 +238,8 @@ def workloads(d: Draft) -> list[dict[str, Any]]:
         if c.template.placement.annotations:
             meta["annotations"] = dict(c.template.placement.annotations)
         volumes = tuple((s.volume, s.mount) for s in d.storage if c.name in s.components)
+        if d.request.joined is not None:
+            volumes += (pods.join_invite_volume(d.request.manifest.spec.join.invite_secret),)
         if c.job:
             template = pods.pod_template(d.name, c.template, d.hashes[c.name], d.request.settings, grace, keys=keys,
                                          restart_policy="OnFailure", door=d.door, extra_volumes=volumes)
@@ -277,15 +289,22 @@ def plan(request: Request) -> Plan:
     door = door_of(manifest)
     assert (request.access is not None) == (door is not None), "volunteer access material iff volunteers are enabled"
     relay_hosts = request.access.relay_hosts if request.access else None
-    network = network_of(manifest, request.settings, relay_hosts)
+    joined = request.joined
+    network = network_of(manifest, request.settings, relay_hosts, joined)
+    if joined is not None and joined.plan_signer:  # the host's: its peers follow the host's plan
+        peer_ids = {**peer_ids, volunteers.PLAN_SIGNER: joined.plan_signer}
     roles = kind.roles(manifest, network, peer_ids, MANIFEST_PATH, RUN_DIR)
     sample = _sample(manifest)
     sample_ids = {**{n: _UNKNOWN_PEER for n in kind.identity_roles(sample)}, **peer_ids}
-    components = components_of(kind, roles, kind.roles(sample, network, sample_ids, MANIFEST_PATH, RUN_DIR))
+    sample_roles = kind.roles(sample, network, sample_ids, MANIFEST_PATH, RUN_DIR)
+    if joined is not None:  # only what a lab contributes
+        contributed = lab_components(kind)
+        roles, sample_roles = ([r for r in group if r.component in contributed] for group in (roles, sample_roles))
+    components = components_of(kind, roles, sample_roles)
     relays = volunteers.relay_ids(door, peer_ids) if door else []
     info = volunteer_info(manifest, network, relays, plan_signer=peer_ids.get(volunteers.PLAN_SIGNER)) if door else None
     draft = Draft(request, kind, roles, components,
-                  {c.name: config_hash(manifest, kind, c, info) for c in components}, network, door, info,
+                  {c.name: config_hash(pods_manifest(request), kind, c, info) for c in components}, network, door, info,
                   storage_of(manifest, lambda name, component: pods.metadata(request.owner, name, component)))
     rest = [child for make in CHILDREN for child in make(draft)]
     secrets = [c["metadata"]["name"] for c in rest if c["kind"] == "Secret"]

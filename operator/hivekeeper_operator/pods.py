@@ -10,14 +10,15 @@ from typing import Any
 from hivekeeper import API_GROUP, API_VERSION
 from hivekeeper.errors import UserError
 from hivekeeper.spec.common import Resources
+from hivekeeper.spec.join import INVITE_KEY
 from hivekeeper.spec.placement import Placement
 from hivekeeper.spec.volunteers import VolunteersSpec
-from hivekeeper.topology import GRPC, METRICS, P2P, Role
+from hivekeeper.topology import GRPC, JOIN_INVITE, METRICS, P2P, Role
 
 from hivekeeper_operator import volunteers
 from hivekeeper_operator.kube import LABEL_MANAGED_BY, MANAGED_BY
-from hivekeeper_operator.network import (ALLOWLIST_DIR, CONFIG_DIR, GRPC_PORT, INVITES_DIR, KEYS_DIR, METRICS_PORT,
-                                         P2P_PORT, RUN_DIR, SWARM_KEY_DIR)
+from hivekeeper_operator.network import (ALLOWLIST_DIR, CONFIG_DIR, GRPC_PORT, INVITES_DIR, JOIN_DIR, KEYS_DIR,
+                                         METRICS_PORT, P2P_PORT, RUN_DIR, SWARM_KEY_DIR)
 
 API = f"{API_GROUP}/{API_VERSION}"
 CONFIG_HASH = "hivekeeper.dev/config-hash"
@@ -140,6 +141,12 @@ def _secret_volume(volume: str, secret_name: str, mount_path: str,
                    **source: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return ({"name": volume, "secret": {"secretName": secret_name, "defaultMode": 0o440, **source}},
             {"name": volume, "mountPath": mount_path, "readOnly": True})
+
+
+def join_invite_volume(secret_name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A joining lab's invite (the user's Secret named by spec.join.inviteSecret): every pod asks
+    the host's token service for its own token with it."""
+    return _secret_volume("join-invite", secret_name, JOIN_DIR, items=[{"key": INVITE_KEY, "path": JOIN_INVITE}])
 
 
 def _access_volumes(name: str, role: Role, door: VolunteersSpec) -> list[tuple[dict[str, Any], dict[str, Any]]]:

@@ -16,8 +16,8 @@ from hivekeeper.kinds import runtime
 from hivekeeper.spec import Manifest, parse_manifest
 from hivekeeper.spec.crd import KINDS
 
-from hivekeeper_operator import identity, pods, readers, volunteers
-from hivekeeper_operator.conditions import now_rfc3339
+from hivekeeper_operator import identity, joining, pods, readers, volunteers
+from hivekeeper_operator.conditions import Cond, condition, now_rfc3339
 from hivekeeper_operator.events import NORMAL, WARNING, EventRecorder
 from hivekeeper_operator.kube import (LABEL_MANAGED_BY, MANAGED_BY, Applier, ApplyResult, Kube, KubeError, NameConflict,
                                      register_resource)
@@ -25,9 +25,10 @@ from hivekeeper_operator.leader import LeaderElection
 from hivekeeper_operator.metrics import OperatorMetrics
 from hivekeeper_operator.plan import SCANNED, Plan, Request, door_of, plan, render_roles
 from hivekeeper_operator.pods import API, WorkloadSettings
-from hivekeeper_operator.status import invalid_status, resource_status, role_counts, run_completed
+from hivekeeper_operator.status import invalid_status, not_joined_status, resource_status, role_counts, run_completed
 
 log = logging.getLogger("hivekeeper.operator")
+JOINED_CONDITION = "Joined"  # a joining resource's (spec.join): admitted by the host's token service
 
 
 @dataclass
@@ -43,6 +44,7 @@ class OperatorConfig:
     kubeconfig: str | None = None
     kinds: tuple[str, ...] = ("Swarm", "BlockServer", "ExpertPool")
     leader_election: LeaderElection | None = None  # None: this replica always leads
+    join_prober: joining.Prober = joining.subprocess_prober  # asks a host's token service (spec.join)
 
 
 def _managed(obj: dict[str, Any] | None) -> bool:
@@ -61,6 +63,7 @@ class Reconciler:
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._unreported: set[tuple[str, str]] = set()  # resources whose final report could not be read
+        self.probes = joining.ProbeCache(config.join_prober)
 
     def _lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -80,6 +83,7 @@ class Reconciler:
                 obj = self.kube.get(API, self.kind, namespace, name)
                 if obj is None or obj.get("metadata", {}).get("deletionTimestamp"):
                     result = None  # gone or going: owner references take the children with it
+                    self.probes.forget((namespace, name))
                 else:
                     result = self.reconcile_object(obj)
                     self._phase_event(obj, result)
@@ -130,11 +134,20 @@ class Reconciler:
         except UserError as e:
             return self._invalid(obj, str(e))
         kind = runtime(self.kind)
+        joined, extra = None, ()
+        if getattr(manifest.spec, "join", None) is not None:
+            outcome = self._join(obj, manifest)
+            if outcome.host is None:
+                return self._not_joined(obj, outcome)
+            joined, manifest = outcome.host, outcome.host.manifest
+            extra = (Cond(JOINED_CONDITION, True, outcome.reason, outcome.message),)
 
         # Keys first: everyone's arguments name the identity roles' peer IDs.
         secret = self.kube.get("v1", "Secret", namespace, pods.keys_secret_name(name))
         existing = (secret or {}).get("data") if _managed(secret) else None
         identities = kind.identity_roles(manifest)
+        if joined is not None:  # the host's own (its balancer's key) are not this lab's to make
+            identities = [n for n in identities if n.rsplit("-", 1)[0] in joining.lab_components(kind)]
         keys_data, peer_ids = identity.ensure_role_keys(existing, identities, self.config.key_generator)
         recorded = pods.owned_secrets(secret if _managed(secret) else None)
         if secret is None or keys_data != existing:
@@ -148,7 +161,8 @@ class Reconciler:
         service_monitor = self.config.service_monitors == "auto" and self.kube.serves(
             "monitoring.coreos.com/v1", "servicemonitors")
         request = Request(obj, manifest, peer_ids, keys_data, self.config.settings,
-                          access=self._volunteer_access(manifest, peer_ids), service_monitor=service_monitor)
+                          access=self._volunteer_access(manifest, peer_ids), service_monitor=service_monitor,
+                          joined=joined)
         try:
             wanted = plan(request)
         except UserError as e:  # a placement naming a volume, mount or variable of the pods' own
@@ -167,7 +181,38 @@ class Reconciler:
             kind=self.kind, generation=meta.get("generation"), previous=obj.get("status"), now=now_rfc3339(),
             plan=wanted, workloads=workloads, name=name, reading=self._reading(manifest, wanted, workloads, completed),
             reports=self._final_reports(namespace, name, wanted, jobs) if completed else [], completed=completed,
-            error=error, error_reason=error_reason, settings=self.config.settings)
+            error=error, error_reason=error_reason, settings=self.config.settings, extra=extra)
+        self.write_status(obj, status)
+        return status["phase"]
+
+    def _join(self, obj: dict[str, Any], manifest: Manifest) -> joining.JoinOutcome:
+        """What the host's token service says of this lab's invite (asked a while ago, or now),
+        told in an Event when the Joined condition changes."""
+        meta, join = obj["metadata"], manifest.spec.join
+        secret = self.kube.get("v1", "Secret", meta["namespace"], join.invite_secret)
+        invite, why = joining.invite_of(secret, join.invite_secret)
+        if invite is None:
+            outcome = joining.JoinOutcome(None, joining.INVITE_MISSING, why)
+        else:
+            answer = self.probes.answer((meta["namespace"], meta["name"]), join.gateway, invite)
+            outcome = joining.join(manifest, answer, runtime(self.kind))
+        before = condition(obj.get("status"), JOINED_CONDITION) or {}
+        if (before.get("status") == "True") != (outcome.host is not None) or before.get("reason") != outcome.reason:
+            if outcome.host is None:
+                self.events.warning(obj, outcome.reason, outcome.message)
+            else:
+                self.events.normal(obj, outcome.reason, outcome.message)
+        return outcome
+
+    def _not_joined(self, obj: dict[str, Any], outcome: joining.JoinOutcome) -> str:
+        """A lab not admitted: its peers stop (they would only be refused, over and over), unless
+        the gateway does not answer, when they run on and retry as the host's peers do."""
+        meta = obj["metadata"]
+        if not outcome.keeps_peers:
+            self._delete_unwanted(obj, Plan(children=[], components=[], hashes={}, initial_peers=[]), set())
+        status = not_joined_status(meta.get("generation"), obj.get("status"), now_rfc3339(),
+                                   Cond(JOINED_CONDITION, False, outcome.reason, outcome.message),
+                                   stopped=not outcome.keeps_peers)
         self.write_status(obj, status)
         return status["phase"]
 
@@ -237,9 +282,12 @@ class Reconciler:
         return volunteers.VolunteerAccess(relay_hosts=hosts, auth_data=auth_data, invites_data=invites_data)
 
     def _reading(self, manifest: Manifest, wanted: Plan, workloads: dict[str, Any], completed: bool) -> dict | None:
-        """The reporter's /status (a Swarm's monitor; by default the first backbone peer), once it runs."""
+        """The reporter's /status (a Swarm's monitor; by default, and in a lab that joins another's
+        swarm, the first backbone peer), once it runs."""
         reporter = runtime(self.kind).status_component
-        source = wanted.component(reporter) if reporter else next((c for c in wanted.components if c.backbone), None)
+        source = wanted.component(reporter) if reporter else None
+        if source is None:  # no reporter, or one that this resource does not run (a joining lab's)
+            source = next((c for c in wanted.components if c.backbone), None)
         if source is None or role_counts(source, workloads.get(source.name), completed)["ready"] < 1:
             return None
         meta = manifest.metadata

@@ -94,10 +94,30 @@ def invalid_status(generation: int | None, previous: dict[str, Any] | None, now:
     ], (previous or {}).get("conditions"), generation, now)}
 
 
+def not_joined_status(generation: int | None, previous: dict[str, Any] | None, now: str, joined: Cond,
+                      stopped: bool) -> dict[str, Any]:
+    """The status of a joining resource that is not admitted (its Joined condition says why).
+    `stopped`: its peers were stopped, so it is Pending; otherwise (a gateway that does not
+    answer) its peers run on and retry, and the rest of the status stays as it was."""
+    previous = previous or {}
+    if not stopped:
+        kept = [Cond(c["type"], {"True": True, "False": False}.get(c.get("status")), c.get("reason", ""),
+                     c.get("message", "")) for c in previous.get("conditions") or [] if c.get("type") != joined.type]
+        return {"observedGeneration": generation, "phase": previous.get("phase", "Pending"),
+                "conditions": render_conditions([*kept, joined], previous.get("conditions"), generation, now)}
+    return {"observedGeneration": generation, "phase": "Pending", "conditions": render_conditions([
+        Cond("Ready", False, joined.reason, "this lab's peers were stopped: " + joined.message),
+        Cond("Progressing", False, joined.reason, "waiting to be admitted"),
+        Cond("Degraded", True, joined.reason, joined.message),
+        joined,
+    ], previous.get("conditions"), generation, now)}
+
+
 def lifecycle(*, previous: dict[str, Any], generation: int | None, now: str, settings: WorkloadSettings,
               completed: bool, failed: str | None, running: bool, not_ready: list[str], rolling: list[str],
-              ready_total: int, desired_total: int, error: str | None, error_reason: str) -> dict[str, Any]:
-    """phase and the Ready / Progressing / Degraded conditions."""
+              ready_total: int, desired_total: int, error: str | None, error_reason: str,
+              extra: tuple[Cond, ...] = ()) -> dict[str, Any]:
+    """phase and the Ready / Progressing / Degraded conditions, and `extra` ones (Joined)."""
     if completed:
         phase = "Succeeded"
         ready = Cond("Ready", False, "Completed", "the run is done; peers were stopped")
@@ -129,7 +149,8 @@ def lifecycle(*, previous: dict[str, Any], generation: int | None, now: str, set
     else:
         degraded = Cond("Degraded", False, "AsExpected", "")
     return {"phase": phase,
-            "conditions": render_conditions([ready, progressing, degraded], previous.get("conditions"), generation, now)}
+            "conditions": render_conditions([ready, progressing, degraded, *extra], previous.get("conditions"),
+                                            generation, now)}
 
 
 # -- figures ------------------------------------------------------------------------------------
@@ -216,9 +237,9 @@ def resource_status(*, kind: str, generation: int | None, previous: dict[str, An
                     workloads: Workloads, name: str, reading: dict[str, Any] | None = None,
                     reports: list[dict[str, Any]] = (), completed: bool = False, error: str | None = None,
                     error_reason: str = "ReconcileError",
-                    settings: WorkloadSettings = WorkloadSettings()) -> dict[str, Any]:
+                    settings: WorkloadSettings = WorkloadSettings(), extra: tuple[Cond, ...] = ()) -> dict[str, Any]:
     """The whole .status of a resource. `reading`: its reporter's /status; `reports`: the final
-    reports of the roles that ended the run."""
+    reports of the roles that ended the run; `extra`: conditions besides the lifecycle's."""
     previous = previous or {}
     status: dict[str, Any] = {"observedGeneration": generation}
     counts = {c.status_key: role_counts(c, workloads.get(c.name), completed) for c in plan.components}
@@ -249,7 +270,7 @@ def resource_status(*, kind: str, generation: int | None, previous: dict[str, An
         not_ready=[f"{key} {c['ready']}/{c['desired']}" for key, c in counts.items() if c["ready"] < c["desired"]],
         rolling=[c.status_key for c in plan.components
                  if not c.job and rolling_out(workloads.get(c.name), 0 if completed else c.replicas)],
-        ready_total=ready_total, desired_total=desired_total, error=error, error_reason=error_reason))
+        ready_total=ready_total, desired_total=desired_total, error=error, error_reason=error_reason, extra=extra))
     figures = FIGURES.get(kind, model_figures)
     status.update(figures(kind, reading, previous, now))
     for report in reports:  # the run's last figures, over the last live reading

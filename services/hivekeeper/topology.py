@@ -5,6 +5,7 @@ between the two; a `Network` says how, and the rest is the same."""
 from __future__ import annotations
 
 import ipaddress
+import zlib
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -19,6 +20,11 @@ GRPC = "grpc"
 ACCESS_STATUS_KEYS = {"relay": "relays", "auth": "auth"}  # their RoleStatus in every kind's status
 BACKBONE_RESOURCES = ACCESS_RESOURCES = Resources(cpu="250m", memory="512Mi")  # backbones, relays, token service
 VOLUNTEER_INDEX = 1000  # volunteers' roles (`hivekeeper join`) are numbered from here: apart from the replicas
+# A joining lab's peers are numbered from lab_index_base(lab): apart from the host's replicas, the
+# volunteers' and other labs' (LAB_GROUP_SIZE numbers each, a lab's group at most that many peers)
+LAB_INDEX = 10_000
+LAB_GROUP_SIZE = 1000
+JOIN_INVITE = "join-invite"  # the access file of a joining lab's invite (spec.join.inviteSecret)
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,12 @@ class Network(Protocol):
     def gateway_address(self) -> str:
         """host:port where the swarm's own roles reach the token service."""
 
+    # Where the resource sits in a swarm of several labs (spec.join): peers outside it that every
+    # role bootstraps from too (the host's entry points), and the number its peers' indexes start
+    # from (0 for the host; lab_index_base for a lab that joins).
+    entry_points: tuple[str, ...]
+    index_base: int
+
     def relay_public_address(self, index: int) -> str | None:
         """host:port where volunteers outside reach relay `index` (None: not known yet, as for
         a LoadBalancer still being provisioned)."""
@@ -65,14 +77,23 @@ class Network(Protocol):
         allowlist, or a role's invite (ROLE.invite)."""
 
 
+def lab_index_base(lab: str) -> int:
+    """The first peer index of a joining lab's groups (its trainer i is index base + i): a
+    number of the lab's own, so its peers' names, data orders and roles differ from everyone's."""
+    return LAB_INDEX + zlib.crc32(lab.encode()) % 90_000 * LAB_GROUP_SIZE
+
+
 def make_role(component: str, index: int, network: Network, manifest_path: str, run_dir: str,
               initial_peers: list[str], resources: Resources, *, placement: Placement | None = None,
               identity: bool = False, backbone: bool = False, completes_run: bool = False,
               extra_args: tuple[str, ...] = (), extra_ports: tuple[str, ...] = ()) -> Role:
-    """One role of any kind: `hivekeeper run COMPONENT` with the arguments every role takes."""
+    """One role of any kind: `hivekeeper run COMPONENT` with the arguments every role takes.
+    Its name and ports are the resource's (`index`); its peer index in the swarm is
+    `network.index_base` + `index`."""
     name = f"{component}-{index}"
     ports = {port: network.port(name, port) for port in (METRICS, P2P, *extra_ports)}
-    args = [component, "--manifest", manifest_path, "--index", str(index), "--host", network.listen_host,
+    peer_index = network.index_base + index
+    args = [component, "--manifest", manifest_path, "--index", str(peer_index), "--host", network.listen_host,
             "--p2p-port", str(ports[P2P]), "--metrics-port", str(ports[METRICS]), "--run-dir", run_dir]
     announce = network.announce_host(name)
     if announce:
@@ -114,10 +135,11 @@ class Layout:
         """`placement`: its role group's, merged over the spec-wide one."""
         name = f"{component}-{index}"
         peers = [m for i, m in enumerate(self.backbone_maddrs) if f"{self.backbone_component}-{i}" != name]
+        peers += self.network.entry_points
         return make_role(component, index, self.network, self.manifest_path, self.run_dir, peers, resources,
                          placement=placed(self.manifest, placement), identity=identity,
                          backbone=component == self.backbone_component, completes_run=completes_run,
-                         extra_args=extra_args + access_args(self.manifest.spec.volunteers, self.network, name))
+                         extra_args=extra_args + access_args(self.manifest, self.network, name))
 
     def backbones(self) -> list[Role]:
         return [self.role(self.backbone_component, i, BACKBONE_RESOURCES, self.manifest.spec.backbone.placement,
@@ -149,9 +171,14 @@ def access_identities(volunteers: VolunteersSpec) -> list[str]:
     return [f"relay-{i}" for i in range(volunteers.relays if volunteers.enabled else 0)]
 
 
-def access_args(volunteers: VolunteersSpec, network: Network, role_name: str) -> tuple[str, ...]:
-    """Where volunteers are admitted, every peer signs its DHT requests with a token."""
-    if not volunteers.enabled:
+def access_args(manifest: Manifest, network: Network, role_name: str) -> tuple[str, ...]:
+    """Where volunteers are admitted, every peer signs its DHT requests with a token: from the
+    resource's own token service with its own invite, or in a lab that joins another's swarm,
+    from the host's with the lab's invite."""
+    join = getattr(manifest.spec, "join", None)
+    if join is not None:
+        return ("--gateway", join.gateway, "--invite", network.access_path(JOIN_INVITE))
+    if not manifest.spec.volunteers.enabled:
         return ()
     return ("--gateway", network.gateway_address(), "--invite", network.access_path(f"{role_name}.invite"))
 
@@ -167,7 +194,7 @@ def access_roles(manifest: Manifest, network: Network, initial_peers: list[str],
     roles = [auth_role(volunteers, network, manifest_path, run_dir, placement)]
     for i in range(volunteers.relays):
         public = network.relay_public_address(i)
-        extra = access_args(volunteers, network, f"relay-{i}") + (("--public-address", public) if public else ())
+        extra = access_args(manifest, network, f"relay-{i}") + (("--public-address", public) if public else ())
         roles.append(make_role("relay", i, network, manifest_path, run_dir, initial_peers, ACCESS_RESOURCES,
                                placement=placement, identity=True, extra_args=extra))
     return roles

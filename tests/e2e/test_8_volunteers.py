@@ -3,7 +3,13 @@ token service serves TLS with a certificate made from the swarm's key, the peers
 tokens with the invites the operator minted (each naming that key's fingerprint), and train
 with every RPC admitted by token: the monitor downloads the trainers' state and evaluates it
 only if the trainers admit it. From outside the cluster, an invite minted from the swarm's key
-Secret gets a volunteer its token through the NodePort (`hivekeeper join --dry-run`)."""
+Secret gets a volunteer its token through the NodePort (`hivekeeper join --dry-run`).
+
+Then a second lab joins with its own resource (spec.join), from a namespace of its own through
+the NodePorts as it would from another cluster: a manifest that sets a host-owned field is
+refused at apply; the joining Swarm's trainer trains in the host's swarm (the host's status
+counts the lab's peers and samples) and its status shows the swarm's figures and Joined; an
+invite of another swarm stops the lab's peers with the reason in Joined, the host unharmed."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import base64
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +29,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 NAME = "open"
 SMALL = {"cpu": "250m", "memory": "1Gi"}  # sized to a 2-core node
+TINY = {"cpu": "100m", "memory": "1Gi"}  # the host's trainers and the lab's beside them
+LAB, LAB_NAMESPACE = "lab-b", "hivekeeper-e2e-lab-b"
 
 
 def node_ip(cluster: Cluster) -> str:
@@ -32,13 +41,21 @@ def node_ip(cluster: Cluster) -> str:
 def manifest(host: str) -> dict[str, Any]:
     """The example, on NodePorts of the one node, its peers' CPU requests cut to fit 2 cores."""
     return example("swarm-digits-volunteers.yaml", {"metadata": {"name": NAME}, "spec": {
-        "trainers": {"replicas": 2, "resources": SMALL},
+        "trainers": {"replicas": 2, "resources": TINY},
         "auxiliary": {"replicas": 0},
         "balancer": {"enabled": False},
         "monitor": {"evalEverySteps": 2},
-        "stopping": {"targetSteps": 400, "targetMetric": None},
-        "volunteers": {"serviceType": "NodePort", "publicHost": host},
+        "stopping": {"targetSteps": 100_000, "targetMetric": None},  # deleted when the test is done
+        "volunteers": {"serviceType": "NodePort", "publicHost": host,
+                       "labs": [{"name": LAB, "maxPeers": 4, "roles": ["backbone", "trainer"]}]},
     }})
+
+
+def joining(gateway: str, **spec: Any) -> dict[str, Any]:
+    """Lab B's Swarm: its part only, the rest from the host."""
+    return {"apiVersion": "hivekeeper.dev/v1alpha1", "kind": "Swarm", "metadata": {"name": "digits-part"},
+            "spec": {"join": {"gateway": gateway, "inviteSecret": "lab-a-invite"},
+                     "trainers": {"replicas": 1, "resources": TINY}, **spec}}
 
 
 def swarm_key(cluster: Cluster, directory: Path) -> Path:
@@ -80,3 +97,59 @@ def test_open_swarm_trains_with_every_rpc_admitted(cluster: Cluster, release: st
         assert "would join as a trainer" in joined.stderr, joined.stderr[-3000:]
         record = json.loads((tmp_path / "alice" / "join.json").read_text())
         assert record.get("state") == "dry-run", record
+
+        lab_b_joins(cluster, gateway, tmp_path)
+
+
+def lab_b_joins(cluster: Cluster, gateway: str, tmp_path: Path) -> None:
+    refused = cluster.apply(joining(gateway, averaging={"mode": "diloco"}), check=False)
+    assert refused.returncode != 0 and "spec.averaging: Invalid value" in refused.stderr \
+        and "a joining Swarm takes this from the host (spec.join); remove it" in refused.stderr, refused.stderr
+    invite = hivekeeper("invite", "--key-file", str(swarm_key(cluster, tmp_path)), "--identity", LAB)
+    assert invite.returncode == 0, invite.stderr
+    cluster.kubectl("create", "namespace", LAB_NAMESPACE, check=False)
+    try:
+        cluster.kubectl("create", "secret", "generic", "lab-a-invite", "-n", LAB_NAMESPACE,
+                        f"--from-literal=invite={invite.stdout.strip()}")
+        cluster.apply(joining(gateway), namespace=LAB_NAMESPACE)
+
+        def part() -> dict[str, Any]:
+            return cluster.status("swarm", "digits-part", LAB_NAMESPACE)
+
+        def joined(status: dict[str, Any]) -> dict[str, Any]:
+            return next((c for c in status.get("conditions") or [] if c["type"] == "Joined"), {})
+
+        def lab_in_host() -> dict[str, Any] | None:
+            labs = {lab["name"]: lab for lab in cluster.status("swarm", NAME).get("labs") or []}
+            return labs[LAB] if LAB in labs and labs[LAB]["samples"] > 0 else None
+
+        try:
+            lab = wait_for(lab_in_host, 420, "the host's status to count lab B's trainer and its samples")
+            assert lab["peers"] >= 2, lab  # its backbone and its trainer
+            status = wait_for(lambda: (s := part()).get("globalStep") and s, 120, "lab B's status: the global step")
+            assert joined(status).get("status") == "True", status
+            assert status["trainers"]["ready"] == 1 and status.get("peersAlive", {}).get("trainer", 0) >= 3, status
+        except AssertionError:
+            print(cluster.describe_failure(LAB_NAMESPACE))
+            raise
+
+        # Another swarm's invite: the host's gateway does not hold the key it names.
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        from hivekeeper.auth.tokens import mint_invite
+
+        other = mint_invite(RSAPrivateKey(), LAB, time.time() + 3600)
+        cluster.kubectl("delete", "secret", "lab-a-invite", "-n", LAB_NAMESPACE)
+        cluster.kubectl("create", "secret", "generic", "lab-a-invite", "-n", LAB_NAMESPACE,
+                        f"--from-literal=invite={other}")
+        stopped = wait_for(lambda: joined(s := part()).get("reason") == "GatewayKeyMismatch" and s, 120,
+                           "Joined: GatewayKeyMismatch")
+        assert stopped["phase"] == "Pending", stopped
+        wait_for(lambda: not cluster.pods("hivekeeper.dev/swarm=digits-part", LAB_NAMESPACE), 180,
+                 "lab B's pods to stop")
+        events = cluster.kubectl("get", "events", "-n", LAB_NAMESPACE, "-o", "json").stdout
+        assert "GatewayKeyMismatch" in events
+        step = cluster.status("swarm", NAME).get("globalStep", 0)
+        wait_for(lambda: cluster.status("swarm", NAME).get("globalStep", 0) > step, 120, "the host to train on")
+    finally:
+        cluster.kubectl("delete", "namespace", LAB_NAMESPACE, "--wait=true", timeout=300, check=False)

@@ -25,6 +25,12 @@ def run(args: argparse.Namespace) -> int:
     from hivekeeper.spec import load_manifest
 
     manifest = load_manifest(args.manifest)  # bad input: one line, exit 2, nothing started
+    join = getattr(manifest.spec, "join", None)
+    if join is not None:
+        from hivekeeper.errors import UserError
+
+        raise UserError(f"{args.manifest}: spec.join: a lab's cluster joins another's swarm through the operator; "
+                        f"on one machine, join it with `hivekeeper join {join.gateway} --token INVITE`")
     if args.prometheus:
         from hivekeeper.local.prometheus import prometheus_binary
 

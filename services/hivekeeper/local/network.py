@@ -18,6 +18,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class LocalNetwork:
+    entry_points: tuple[str, ...] = ()  # a local run hosts its swarm (a lab joins one with `hivekeeper join`)
+    index_base = 0
+
     def __init__(self, run_dir: Path, host: str = "127.0.0.1", volunteers: Optional[VolunteersSpec] = None):
         self.run_dir = run_dir
         self.listen_host = host

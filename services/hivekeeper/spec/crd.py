@@ -52,7 +52,8 @@ CATEGORY = "hivekeeper"
 class Condition(SpecModel):
     """A Kubernetes-style condition (metav1.Condition)."""
 
-    type: Literal["Ready", "Progressing", "Degraded"] = Field(description="which condition")
+    type: Literal["Ready", "Progressing", "Degraded", "Joined"] = Field(
+        description="which condition (Joined: a resource with spec.join is admitted by the host's token service)")
     status: Literal["True", "False", "Unknown"] = Field(description="whether it holds")
     reason: str = Field(description="CamelCase reason, e.g. AllPeersReady, RollingOut, InvalidSpec")
     message: str = Field("", description="what a person should know, in a sentence")

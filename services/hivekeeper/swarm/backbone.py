@@ -1,5 +1,6 @@
-"""The Swarm's backbone: the shared backbone lifecycle, counting who is alive and answering
-the bandwidth probes of joining peers (the averaging plan needs every peer's rates)."""
+"""The Swarm's backbone: the shared backbone lifecycle, counting who is alive (and the swarm's
+step, rate and parties: what a joining lab's status shows, having no monitor) and answering the
+bandwidth probes of joining peers (the averaging plan needs every peer's rates)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections import Counter
 from hivekeeper.runtime.backbone import run_backbone
 from hivekeeper.runtime.bandwidth import serve_probes
 from hivekeeper.runtime.reports import read_peer_reports
+from hivekeeper.swarm.parties import swarm_figures
 from hivekeeper.swarm.role import load_swarm_context
 
 ROLES = ("backbone", "trainer", "auxiliary", "monitor", "balancer")
@@ -19,9 +21,10 @@ def run(args: argparse.Namespace) -> int:
 
     def tick(dht) -> None:
         ctx.publish_report(dht, {})
-        alive = Counter(report["role"] for report in read_peer_reports(dht, ctx.run_id))
+        reports = read_peer_reports(dht, ctx.run_id)
+        alive = Counter(report["role"] for report in reports)
         for role in ROLES:
             ctx.metrics.peers_alive.labels(role).set(alive.get(role, 0))
-        ctx.status.update(peersAlive=dict(alive))
+        ctx.status.update(peersAlive=dict(alive), **swarm_figures(reports, ctx.run_id))
 
     return run_backbone(ctx, tick, on_start=serve_probes)

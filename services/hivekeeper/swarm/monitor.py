@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hivekeeper.runtime.reports import STOP_KEY, read_peer_reports
+from hivekeeper.swarm.parties import labs_of
 from hivekeeper.swarm.role import SwarmContext, load_swarm_context
 from hivekeeper.tasks import load_task
 from hivekeeper.training.checkpoint import checkpoint_steps, prune_checkpoints, save_checkpoint
@@ -239,29 +240,3 @@ def _rate_over_last_minute(seen: list[tuple[float, float]], value: float, digits
     seen[:] = [(t, v) for t, v in seen if t >= now - 60.0] + [(now, value)]
     (t0, v0), (t1, v1) = seen[0], seen[-1]
     return round((v1 - v0) / (t1 - t0), digits) if t1 - t0 >= 5.0 else None
-
-
-def labs_of(reports: list[dict], host: str) -> list[dict] | None:
-    """Each party's part in the swarm, from the peers' reports: the host's own peers (`host`
-    true, named after the resource) and each lab or volunteer whose invite admitted peers. None
-    while only the host's peers report. Samples/s, samples and averaging bytes are the trainers'
-    sums; `share` is the party's part of the samples computed so far."""
-    if not any(r.get("lab") for r in reports):
-        return None
-    parties: dict[str, dict] = {}
-    for report in reports:
-        lab = report.get("lab")
-        party = parties.setdefault(lab or "", {"name": lab or host, "host": not lab, "peers": 0,
-                                                "samplesPerSecond": 0.0, "samples": 0, "averagingBytesSent": 0})
-        party["peers"] += 1
-        if report.get("role") != "trainer":
-            continue
-        for key, kind in (("samplesPerSecond", float), ("samples", int), ("averagingBytesSent", int)):
-            value = report.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-                party[key] += kind(value)
-    total = sum(party["samples"] for party in parties.values())
-    for party in parties.values():
-        party["samplesPerSecond"] = round(party["samplesPerSecond"], 1)
-        party["share"] = round(party["samples"] / total, 4) if total else 0.0
-    return sorted(parties.values(), key=lambda party: (not party["host"], party["name"]))
