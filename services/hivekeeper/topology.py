@@ -18,6 +18,10 @@ METRICS = "metrics"
 P2P = "p2p"
 GRPC = "grpc"
 ACCESS_STATUS_KEYS = {"relay": "relays", "auth": "auth"}  # their RoleStatus in every kind's status
+# For the operator (KindRuntime.section_readers): spec.volunteers is read by the token service
+# alone (allowlist, labs, token lifetime); what else it decides is in the roles' arguments. So an
+# allowlist edit (a lab taken off) restarts no peer of the swarm.
+ACCESS_SECTION_READERS = {"volunteers": ("auth",)}
 BACKBONE_RESOURCES = ACCESS_RESOURCES = Resources(cpu="250m", memory="512Mi")  # backbones, relays, token service
 VOLUNTEER_INDEX = 1000  # volunteers' roles (`hivekeeper join`) are numbered from here: apart from the replicas
 # A joining lab's peers are numbered from lab_index_base(lab): apart from the host's replicas, the

@@ -8,8 +8,9 @@ Secret gets a volunteer its token through the NodePort (`hivekeeper join --dry-r
 Then a second lab joins with its own resource (spec.join), from a namespace of its own through
 the NodePorts as it would from another cluster: a manifest that sets a host-owned field is
 refused at apply; the joining Swarm's trainer trains in the host's swarm (the host's status
-counts the lab's peers and samples) and its status shows the swarm's figures and Joined; an
-invite of another swarm stops the lab's peers with the reason in Joined, the host unharmed."""
+counts the lab's peers and samples) and its status shows the swarm's figures and Joined; lab A
+revoking lab B, then an invite of another swarm, stop the lab's peers with the reason in Joined,
+the host unharmed."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from e2e.support import REPO, Cluster, applied, example, wait_for
+from e2e.support import NAMESPACE, REPO, Cluster, applied, example, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -133,6 +134,15 @@ def lab_b_joins(cluster: Cluster, gateway: str, tmp_path: Path) -> None:
             print(cluster.describe_failure(LAB_NAMESPACE))
             raise
 
+        # Lab A revokes lab B: B's operator finds it refused at its next probe and stops B's peers.
+        cluster.kubectl("patch", "swarm", NAME, "-n", NAMESPACE, "--type", "merge", "-p",
+                        json.dumps({"spec": {"volunteers": {"labs": []}}}))
+        revoked = wait_for(lambda: joined(s := part()).get("reason") == "InviteRefused" and s, 240,
+                           "Joined: InviteRefused once lab A removed lab B")
+        assert "allowlist" in joined(revoked)["message"] and revoked["phase"] == "Pending", revoked
+        wait_for(lambda: not cluster.pods("hivekeeper.dev/swarm=digits-part", LAB_NAMESPACE), 180,
+                 "lab B's pods to stop")
+
         # Another swarm's invite: the host's gateway does not hold the key it names.
         from hivemind.utils.crypto import RSAPrivateKey
 
@@ -144,11 +154,9 @@ def lab_b_joins(cluster: Cluster, gateway: str, tmp_path: Path) -> None:
                         f"--from-literal=invite={other}")
         stopped = wait_for(lambda: joined(s := part()).get("reason") == "GatewayKeyMismatch" and s, 120,
                            "Joined: GatewayKeyMismatch")
-        assert stopped["phase"] == "Pending", stopped
-        wait_for(lambda: not cluster.pods("hivekeeper.dev/swarm=digits-part", LAB_NAMESPACE), 180,
-                 "lab B's pods to stop")
+        assert stopped["phase"] == "Pending" and not cluster.pods("hivekeeper.dev/swarm=digits-part", LAB_NAMESPACE)
         events = cluster.kubectl("get", "events", "-n", LAB_NAMESPACE, "-o", "json").stdout
-        assert "GatewayKeyMismatch" in events
+        assert "InviteRefused" in events and "GatewayKeyMismatch" in events
         step = cluster.status("swarm", NAME).get("globalStep", 0)
         wait_for(lambda: cluster.status("swarm", NAME).get("globalStep", 0) > step, 120, "the host to train on")
     finally:

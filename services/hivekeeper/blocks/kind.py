@@ -8,7 +8,8 @@ from hivekeeper.kinds import KindRuntime, KindVolume
 from hivekeeper.runtime.arguments import RoleEntry, peer_access
 from hivekeeper.spec import Manifest
 from hivekeeper.spec.blockserver import BlockServerSpec
-from hivekeeper.topology import ACCESS_STATUS_KEYS, BACKBONE_RESOURCES, Layout, Network, Role, kind_identities
+from hivekeeper.topology import (ACCESS_SECTION_READERS, ACCESS_STATUS_KEYS, BACKBONE_RESOURCES, Layout, Network, Role,
+                                 kind_identities)
 
 BACKBONE = "backbone-blocks"
 SERVER = "block-server"
@@ -52,6 +53,7 @@ RUNTIME = KindRuntime(
     roles=block_roles, identity_roles=identity_roles,
     target_steps=lambda manifest: manifest.spec.client.new_tokens,
     volunteer_role=SERVER,  # a block server behind a relay: clients reach it through the circuit
+    section_readers=ACCESS_SECTION_READERS,
     volumes=model_volumes,
     status_keys={BACKBONE: "backbone", SERVER: "servers", BALANCER: "balancer", CLIENT: "client",
                  **ACCESS_STATUS_KEYS},

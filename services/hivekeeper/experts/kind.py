@@ -9,7 +9,7 @@ from hivekeeper.kinds import KindRuntime, KindVolume, claimed_directory
 from hivekeeper.runtime.arguments import RoleEntry
 from hivekeeper.spec import Manifest
 from hivekeeper.spec.expertpool import ExpertPoolSpec
-from hivekeeper.topology import ACCESS_STATUS_KEYS, Layout, Network, Role, kind_identities
+from hivekeeper.topology import ACCESS_SECTION_READERS, ACCESS_STATUS_KEYS, Layout, Network, Role, kind_identities
 
 BACKBONE = "backbone-experts"
 SERVER = "expert-server"
@@ -49,6 +49,7 @@ RUNTIME = KindRuntime(
     status_keys={BACKBONE: "backbone", SERVER: "servers", TRAINER: "trainers", **ACCESS_STATUS_KEYS},
     scale_restarts=(SERVER,),  # server I holds grid.server_experts(spec, I) of servers.replicas
     volunteer_role=SERVER,  # holds free cells of the grid (grid.server_experts), reached through a relay
+    section_readers=ACCESS_SECTION_READERS,
     volumes=pool_volumes,
     role_modules={
         BACKBONE: RoleEntry("hivekeeper.experts.backbone", lab_role="backbone"),

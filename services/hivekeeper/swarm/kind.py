@@ -11,7 +11,7 @@ from hivekeeper.runtime.arguments import RoleEntry
 from hivekeeper.spec import Manifest
 from hivekeeper.spec.common import Resources
 from hivekeeper.spec.swarm import SwarmSpec
-from hivekeeper.topology import ACCESS_STATUS_KEYS, Layout, Network, Role, kind_identities
+from hivekeeper.topology import ACCESS_SECTION_READERS, ACCESS_STATUS_KEYS, Layout, Network, Role, kind_identities
 
 BACKBONE = "backbone"
 BALANCER = "balancer-0"
@@ -76,7 +76,8 @@ RUNTIME = KindRuntime(
     status_keys={BACKBONE: "backbone", "trainer": "trainers", "auxiliary": "auxiliary", "monitor": "monitor",
                  "balancer": "balancer", **ACCESS_STATUS_KEYS},
     section_readers={"backbone": (BACKBONE,), "trainers": ("trainer", "balancer"),  # the balancer caps by bandwidth
-                     "auxiliary": ("auxiliary", "balancer"), "monitor": ("monitor",), "balancer": ("balancer",)},
+                     "auxiliary": ("auxiliary", "balancer"), "monitor": ("monitor",), "balancer": ("balancer",),
+                     **ACCESS_SECTION_READERS},
     stop_grace_seconds=lambda manifest: int(manifest.spec.averaging.timeout_seconds
                                             + manifest.spec.averaging.matchmaking_seconds + 30),
     status_component="monitor",
