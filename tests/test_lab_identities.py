@@ -22,7 +22,8 @@ from hivekeeper.auth.tokens import mint_invite, verify_access_token
 from hivekeeper.commands.run import register
 from hivekeeper.kinds import KIND_MODULES, runtime
 from hivekeeper.peer_table import lab_table, status_view
-from hivekeeper.swarm.parties import labs_of
+from hivekeeper.metrics import SwarmMetrics
+from hivekeeper.swarm.parties import export_parties, labs_of, swarm_figures
 from hivekeeper.spec import swarm, blockserver, expertpool
 
 HOUR = 3600.0
@@ -199,3 +200,16 @@ def test_the_monitor_sums_each_partys_part():
         {"name": "lab-b", "host": False, "peers": 3, "samplesPerSecond": 50.0, "samples": 1000, "share": 0.25,
          "averagingBytesSent": 5}]
     assert labs_of(reports[:2], "digits") is None  # the host alone: nothing to break down
+
+    # what a joining lab's backbone (and the monitor) export and show: the swarm's figures
+    for r, epoch in zip(reports, (None, 7, 9, None, 8)):
+        if epoch is not None:
+            r["globalEpoch"] = epoch
+    figures = swarm_figures(reports, "digits")
+    assert figures["globalStep"] == 9 and figures["samplesPerSecond"] == 150.0 and len(figures["labs"]) == 2
+    metrics = SwarmMetrics()
+    export_parties(metrics, figures["labs"])
+    export_parties(metrics, [p for p in figures["labs"] if p["host"]])  # lab B gone: its series go
+    samples = {s.labels["lab"]: s.value for m in metrics.registry.collect() for s in m.samples
+               if s.name == "hivekeeper_lab_sample_share"}
+    assert samples == {"digits": 0.75}

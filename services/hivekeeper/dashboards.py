@@ -91,6 +91,7 @@ def render(dashboard: Dashboard) -> dict:
 
 
 MONITOR = identity("swarm", role="monitor")
+BACKBONE = identity("swarm", role="backbone")  # every lab of a pooled swarm runs one
 BALANCER = identity("swarm", role="balancer")
 AVERAGING_PEERS = identity("swarm, peer", role="trainer|auxiliary")
 
@@ -124,6 +125,13 @@ SWARM_OVERVIEW = Dashboard(
               (Target(f"max by (swarm) (deriv(hivekeeper_global_step[$__rate_interval]) * {MONITOR})", "achieved"),
                Target(f"max by (swarm) (hivekeeper_plan_steps_per_second * {BALANCER})", "planned")),
               description="achieved (the monitor's global step) against the averaging plan's prediction"),
+        Panel("Samples/s by lab",
+              (Target(f"max by (lab) (hivekeeper_lab_samples_per_second * {BACKBONE})", "{{lab}}"),),
+              description="each party of a swarm pooled by labs (the host, each lab, each volunteer), from the "
+                          "peers' reports in the DHT: any lab's Prometheus sees every party"),
+        Panel("Share of the samples by lab",
+              (Target(f"max by (lab) (hivekeeper_lab_sample_share * {BACKBONE})", "{{lab}}"),), unit="percentunit"),
+        Panel("Peers by lab", (Target(f"max by (lab) (hivekeeper_lab_peers * {BACKBONE})", "{{lab}}"),)),
     ),
 )
 
@@ -145,6 +153,10 @@ AVERAGING = Dashboard(
             Target(f"rate(hivekeeper_averaging_{way}_bytes_total[$__rate_interval]) * {AVERAGING_PEERS}",
                    f"{{{{peer}}}} {way}") for way in ("sent", "received")), unit="Bps",
               description="tensor bytes per second each peer sends and receives in rounds (after compression)"),
+        Panel("Bytes sent in all-reduce by lab",
+              (Target('label_replace(sum by (lab) (rate(hivekeeper_averaging_sent_bytes_total[$__rate_interval]) * '
+                      f'{identity("lab", role="trainer|auxiliary")}), "lab", "(this lab)", "lab", "")', "{{lab}}"),),
+              unit="Bps", description="the averaging peers this Prometheus scrapes, by the lab that admitted them"),
         Panel("Measured upload", (Target(f"hivekeeper_upload_bytes_per_second * {AVERAGING_PEERS}", "{{peer}}"),),
               unit="Bps", description="probe at join, then what rounds achieve: the planner's input"),
         Panel("Measured download", (Target(f"hivekeeper_download_bytes_per_second * {AVERAGING_PEERS}", "{{peer}}"),),

@@ -94,6 +94,14 @@ class SwarmMetrics:
             "1 if the plan has the peer compute gradients, 0 if it only aggregates", "peer")
         self.peers_alive = gauge("hivekeeper_peers_alive", "Peers of the collaboration seen alive in the DHT, by role",
                                  "role")
+        # each party of a swarm pooled by labs, from the peers' DHT reports (swarm.parties): what a
+        # lab's part is, readable in any lab's Prometheus, the peers of the others included
+        self.lab_peers = gauge("hivekeeper_lab_peers", "Peers of each party (a lab, a volunteer, the host) "
+                                                       "reporting in the DHT", "lab")
+        self.lab_samples_per_second = gauge("hivekeeper_lab_samples_per_second",
+                                            "Samples/s each party's trainers report", "lab")
+        self.lab_sample_share = gauge("hivekeeper_lab_sample_share",
+                                      "Each party's share of the samples computed so far", "lab")
         self.state_loads = counter("hivekeeper_state_loads", "Times this peer loaded state from others")
         self.replica_resyncs = counter(
             "hivekeeper_replica_resyncs",

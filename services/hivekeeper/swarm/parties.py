@@ -7,6 +7,18 @@ from __future__ import annotations
 from typing import Any
 
 
+def export_parties(metrics: Any, parties: list[dict[str, Any]] | None) -> None:
+    """Each party's peers, samples/s and share as gauges labelled by party (`labs_of`), those of
+    parties gone dropped; nothing while only the host's peers report."""
+    gauges = ((metrics.lab_peers, "peers"), (metrics.lab_samples_per_second, "samplesPerSecond"),
+              (metrics.lab_sample_share, "share"))
+    for gauge, _ in gauges:
+        gauge.clear()
+    for party in parties or []:
+        for gauge, key in gauges:
+            gauge.labels(party["name"]).set(party[key])
+
+
 def swarm_figures(reports: list[dict[str, Any]], host: str) -> dict[str, Any]:
     """The swarm's global step (its trainers' furthest epoch), samples/s and parties, as far as
     the reports tell; keys without a figure are left out."""
