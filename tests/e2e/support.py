@@ -11,9 +11,11 @@ then `helm uninstall`."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -184,6 +186,25 @@ def logged_entry(log: str, msg: str) -> dict[str, Any] | None:
         if isinstance(entry, dict) and entry.get("msg") == msg:
             return entry
     return None
+
+
+def node_ip(cluster: Cluster) -> str:
+    node = cluster.get("nodes", namespace=None)["items"][0]
+    return next(a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP")
+
+
+def swarm_key(cluster: Cluster, name: str, directory: Path) -> Path:
+    """A resource's signing key, as an admin reads it from its Secret to mint invites."""
+    pem = base64.b64decode(cluster.get("secret", f"{name}-swarm-auth")["data"]["swarm-auth.pem"])
+    path = directory / "swarm-auth.pem"
+    path.write_bytes(pem)
+    path.chmod(0o600)
+    return path
+
+
+def hivekeeper(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hivekeeper", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
 
 
 @contextmanager

@@ -14,17 +14,14 @@ the host unharmed."""
 
 from __future__ import annotations
 
-import base64
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from e2e.support import NAMESPACE, REPO, Cluster, applied, example, wait_for
+from e2e.support import NAMESPACE, Cluster, applied, example, hivekeeper, node_ip, swarm_key, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -32,11 +29,6 @@ NAME = "open"
 SMALL = {"cpu": "250m", "memory": "1Gi"}  # sized to a 2-core node
 TINY = {"cpu": "100m", "memory": "1Gi"}  # the host's trainers and the lab's beside them
 LAB, LAB_NAMESPACE = "lab-b", "hivekeeper-e2e-lab-b"
-
-
-def node_ip(cluster: Cluster) -> str:
-    node = cluster.get("nodes", namespace=None)["items"][0]
-    return next(a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP")
 
 
 def manifest(host: str) -> dict[str, Any]:
@@ -59,20 +51,6 @@ def joining(gateway: str, **spec: Any) -> dict[str, Any]:
                      "trainers": {"replicas": 1, "resources": TINY}, **spec}}
 
 
-def swarm_key(cluster: Cluster, directory: Path) -> Path:
-    """The swarm's signing key, as an admin reads it from its Secret (README: Join as a volunteer)."""
-    pem = base64.b64decode(cluster.get("secret", f"{NAME}-swarm-auth")["data"]["swarm-auth.pem"])
-    path = directory / "swarm-auth.pem"
-    path.write_bytes(pem)
-    path.chmod(0o600)
-    return path
-
-
-def hivekeeper(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hivekeeper", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
-
-
 def test_open_swarm_trains_with_every_rpc_admitted(cluster: Cluster, release: str, tmp_path: Path):
     host = node_ip(cluster)
     with applied(cluster, manifest(host)):
@@ -89,7 +67,7 @@ def test_open_swarm_trains_with_every_rpc_admitted(cluster: Cluster, release: st
         issued = [json.loads(line) for line in log.splitlines() if '"token issued"' in line]
         assert len(issued) >= 4, log[-3000:]  # backbone, relay, trainers, monitor: each over TLS
 
-        invite = hivekeeper("invite", "--key-file", str(swarm_key(cluster, tmp_path)), "--identity", "alice")
+        invite = hivekeeper("invite", "--key-file", str(swarm_key(cluster, NAME, tmp_path)), "--identity", "alice")
         assert invite.returncode == 0, invite.stderr
         gateway = f"{host}:{manifest(host)['spec']['volunteers']['gatewayPort']}"
         joined = hivekeeper("join", gateway, "--token", invite.stdout.strip(), "--dry-run",
@@ -106,7 +84,7 @@ def lab_b_joins(cluster: Cluster, gateway: str, tmp_path: Path) -> None:
     refused = cluster.apply(joining(gateway, averaging={"mode": "diloco"}), check=False)
     assert refused.returncode != 0 and "spec.averaging: Invalid value" in refused.stderr \
         and "a joining Swarm takes this from the host (spec.join); remove it" in refused.stderr, refused.stderr
-    invite = hivekeeper("invite", "--key-file", str(swarm_key(cluster, tmp_path)), "--identity", LAB)
+    invite = hivekeeper("invite", "--key-file", str(swarm_key(cluster, NAME, tmp_path)), "--identity", LAB)
     assert invite.returncode == 0, invite.stderr
     cluster.kubectl("create", "namespace", LAB_NAMESPACE, check=False)
     try:
