@@ -54,7 +54,7 @@ def joining_swarm(**spec: Any) -> Any:
 
 def joined_plan(answer: dict[str, Any] | None = None):
     joining_manifest = joining_swarm()
-    outcome = joining.join(joining_manifest, answer or host_answer(), runtime("Swarm"))
+    outcome = joining.join(joining_manifest, answer or host_answer())
     assert outcome.host is not None, outcome
     host = outcome.host
     ids = {name: PEER for name in runtime("Swarm").identity_roles(host.manifest) if name.startswith("backbone-")}
@@ -122,7 +122,7 @@ def test_the_lab_runs_only_its_contribution_numbered_apart_and_admitted_by_its_i
      joining.HOST_TASK_UNSUPPORTED),
 ])
 def test_an_answer_that_admits_nothing_says_why(answer, reason):
-    outcome = joining.join(joining_swarm(), answer, runtime("Swarm"))
+    outcome = joining.join(joining_swarm(), answer)
     assert outcome.host is None and outcome.reason == reason and outcome.message
     assert outcome.keeps_peers == (reason == "GatewayUnreachable")
 
@@ -229,7 +229,7 @@ def test_the_other_kinds_join_with_their_servers(kind, example, own, components)
     joining_manifest = parse_manifest({"apiVersion": "hivekeeper.dev/v1alpha1", "kind": kind,
                                        "metadata": {"name": "part", "namespace": "lab-b"},
                                        "spec": {"join": {"gateway": GATEWAY, "inviteSecret": "i"}, **own}})
-    outcome = joining.join(joining_manifest, answer, runtime(kind))
+    outcome = joining.join(joining_manifest, answer)
     assert outcome.host is not None, outcome
     ids = {n: PEER for n in runtime(kind).identity_roles(outcome.host.manifest)}
     owner = {"apiVersion": "hivekeeper.dev/v1alpha1", "kind": kind,

@@ -15,6 +15,7 @@ retry, as the host's do), any other refusal stops them."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
 import json
@@ -92,7 +93,7 @@ def subprocess_prober(gateway: str, invite: str) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def join(joining: Manifest, answer: dict[str, Any], kind: KindRuntime) -> JoinOutcome:
+def join(joining: Manifest, answer: dict[str, Any]) -> JoinOutcome:
     """What a probe's answer means for the joining resource."""
     if "reason" in answer:
         return JoinOutcome(None, str(answer["reason"]), str(answer.get("message", "")))
@@ -131,8 +132,6 @@ def lab_components(kind: KindRuntime) -> set[str]:
 
 def invite_of(secret: Optional[dict[str, Any]], secret_name: str) -> tuple[Optional[str], str]:
     """The invite in the user's Secret, or why there is none."""
-    import base64
-
     data = (secret or {}).get("data") or {}
     if secret is None:
         return None, f"Secret {secret_name!r} (spec.join.inviteSecret) does not exist"

@@ -195,7 +195,7 @@ class Reconciler:
             outcome = joining.JoinOutcome(None, joining.INVITE_MISSING, why)
         else:
             answer = self.probes.answer((meta["namespace"], meta["name"]), join.gateway, invite)
-            outcome = joining.join(manifest, answer, runtime(self.kind))
+            outcome = joining.join(manifest, answer)
         before = condition(obj.get("status"), JOINED_CONDITION) or {}
         if (before.get("status") == "True") != (outcome.host is not None) or before.get("reason") != outcome.reason:
             if outcome.host is None:
