@@ -23,7 +23,7 @@ from hivekeeper.commands.run import register
 from hivekeeper.kinds import KIND_MODULES, runtime
 from hivekeeper.peer_table import lab_table, status_view
 from hivekeeper.metrics import SwarmMetrics
-from hivekeeper.swarm.parties import export_parties, labs_of, swarm_figures
+from hivekeeper.swarm.parties import export_parties, labs_of, parties_of, swarm_figures
 from hivekeeper.spec import swarm, blockserver, expertpool
 
 HOUR = 3600.0
@@ -201,15 +201,19 @@ def test_the_monitor_sums_each_partys_part():
          "averagingBytesSent": 5}]
     assert labs_of(reports[:2], "digits") is None  # the host alone: nothing to break down
 
-    # what a joining lab's backbone (and the monitor) export and show: the swarm's figures
+    # what a joining lab's backbone (and the monitor) show and export: the swarm's figures
     for r, epoch in zip(reports, (None, 7, 9, None, 8)):
         if epoch is not None:
             r["globalEpoch"] = epoch
     figures = swarm_figures(reports, "digits")
     assert figures["globalStep"] == 9 and figures["samplesPerSecond"] == 150.0 and len(figures["labs"]) == 2
     metrics = SwarmMetrics()
-    export_parties(metrics, figures["labs"])
-    export_parties(metrics, [p for p in figures["labs"] if p["host"]])  # lab B gone: its series go
-    samples = {s.labels["lab"]: s.value for m in metrics.registry.collect() for s in m.samples
-               if s.name == "hivekeeper_lab_sample_share"}
-    assert samples == {"digits": 0.75}
+
+    def shares() -> dict[str, float]:
+        return {s.labels["lab"]: s.value for m in metrics.registry.collect() for s in m.samples
+                if s.name == "hivekeeper_lab_sample_share"}
+
+    export_parties(metrics, parties_of(reports, "digits"))
+    assert shares() == {"digits": 0.75, "lab-b": 0.25}
+    export_parties(metrics, parties_of(reports[:2], "digits"))  # lab B gone: its series go; the host's stays
+    assert shares() == {"digits": 1.0}

@@ -105,9 +105,11 @@ def lab_b_joins(cluster: Cluster, gateway: str, tmp_path: Path) -> None:
         try:
             lab = wait_for(lab_in_host, 420, "the host's status to count lab B's trainer and its samples")
             assert lab["peers"] >= 2, lab  # its backbone and its trainer
-            status = wait_for(lambda: (s := part()).get("globalStep") and s, 120, "lab B's status: the global step")
+            # the status catches up with its pods and its backbone's reading at a reconcile
+            status = wait_for(lambda: (s := part()).get("globalStep") and s["trainers"]["ready"] == 1
+                              and s.get("peersAlive", {}).get("trainer", 0) >= 3 and s, 120,
+                              "lab B's status: the global step, its trainer ready, every trainer alive")
             assert joined(status).get("status") == "True", status
-            assert status["trainers"]["ready"] == 1 and status.get("peersAlive", {}).get("trainer", 0) >= 3, status
         except AssertionError:
             print(cluster.describe_failure(LAB_NAMESPACE))
             raise

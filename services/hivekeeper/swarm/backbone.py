@@ -10,7 +10,7 @@ from collections import Counter
 from hivekeeper.runtime.backbone import run_backbone
 from hivekeeper.runtime.bandwidth import serve_probes
 from hivekeeper.runtime.reports import read_peer_reports
-from hivekeeper.swarm.parties import export_parties, swarm_figures
+from hivekeeper.swarm.parties import export_parties, parties_of, swarm_figures
 from hivekeeper.swarm.role import load_swarm_context
 
 ROLES = ("backbone", "trainer", "auxiliary", "monitor", "balancer")
@@ -25,8 +25,7 @@ def run(args: argparse.Namespace) -> int:
         alive = Counter(report["role"] for report in reports)
         for role in ROLES:
             ctx.metrics.peers_alive.labels(role).set(alive.get(role, 0))
-        figures = swarm_figures(reports, ctx.run_id)
-        export_parties(ctx.metrics, figures.get("labs"))
-        ctx.status.update(peersAlive=dict(alive), **figures)
+        export_parties(ctx.metrics, parties_of(reports, ctx.run_id))
+        ctx.status.update(peersAlive=dict(alive), **swarm_figures(reports, ctx.run_id))
 
     return run_backbone(ctx, tick, on_start=serve_probes)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hivekeeper.runtime.reports import STOP_KEY, read_peer_reports
-from hivekeeper.swarm.parties import export_parties, labs_of
+from hivekeeper.swarm.parties import export_parties, labs_of, parties_of
 from hivekeeper.swarm.role import SwarmContext, load_swarm_context
 from hivekeeper.tasks import load_task
 from hivekeeper.training.checkpoint import checkpoint_steps, prune_checkpoints, save_checkpoint
@@ -137,7 +137,7 @@ class Monitor:
         metrics = self.ctx.metrics
         metrics.global_step.set(global_step)
         metrics.collaboration_samples_per_second.set(snapshot["samplesPerSecond"])
-        export_parties(metrics, snapshot["labs"])
+        export_parties(metrics, parties_of(reports, self.ctx.run_id))
         if snapshot["loss"] is not None:
             metrics.loss.set(snapshot["loss"])
         for role in ("backbone", "trainer", "auxiliary", "monitor", "balancer"):

@@ -7,14 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 
-def export_parties(metrics: Any, parties: list[dict[str, Any]] | None) -> None:
-    """Each party's peers, samples/s and share as gauges labelled by party (`labs_of`), those of
-    parties gone dropped; nothing while only the host's peers report."""
+def export_parties(metrics: Any, parties: list[dict[str, Any]]) -> None:
+    """Each party's peers, samples/s and share as gauges labelled by party (`parties_of`: the
+    host's own peers alone too, so a dashboard's by-lab panels show them), those of parties gone
+    dropped."""
     gauges = ((metrics.lab_peers, "peers"), (metrics.lab_samples_per_second, "samplesPerSecond"),
               (metrics.lab_sample_share, "share"))
     for gauge, _ in gauges:
         gauge.clear()
-    for party in parties or []:
+    for party in parties:
         for gauge, key in gauges:
             gauge.labels(party["name"]).set(party[key])
 
@@ -35,12 +36,15 @@ def swarm_figures(reports: list[dict[str, Any]], host: str) -> dict[str, Any]:
 
 
 def labs_of(reports: list[dict], host: str) -> list[dict] | None:
+    """`parties_of`, or None while only the host's peers report (nothing to break down)."""
+    return parties_of(reports, host) if any(r.get("lab") for r in reports) else None
+
+
+def parties_of(reports: list[dict], host: str) -> list[dict]:
     """Each party's part in the swarm, from the peers' reports: the host's own peers (`host`
-    true, named after the resource) and each lab or volunteer whose invite admitted peers. None
-    while only the host's peers report. Samples/s, samples and averaging bytes are the trainers'
-    sums; `share` is the party's part of the samples computed so far."""
-    if not any(r.get("lab") for r in reports):
-        return None
+    true, named after the resource) and each lab or volunteer whose invite admitted peers.
+    Samples/s, samples and averaging bytes are the trainers' sums; `share` is the party's part
+    of the samples computed so far."""
     parties: dict[str, dict] = {}
     for report in reports:
         lab = report.get("lab")
