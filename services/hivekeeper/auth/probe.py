@@ -8,8 +8,8 @@ process of its own: the operator runs `python -m hivekeeper.auth.probe GATEWAY I
 The exit code is 0 either way; anything else is a crash, with its traceback on stderr.
 
 The process loads only the parts of hivemind the token service's protocol uses (its RSA keys and
-token message), not the package's `__init__`, which imports torch: the probe then starts in a
-third of a second in 60 MB, within the operator pod's memory limit."""
+token message), not the package's `__init__`, which imports torch: a probe process then takes
+0.56 s and 58 MB (`/usr/bin/time -v`, a refused invite), within the operator pod's memory limit."""
 
 from __future__ import annotations
 

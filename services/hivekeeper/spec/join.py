@@ -23,6 +23,7 @@ from hivekeeper.spec.placement import DNS_SUBDOMAIN
 # host:port, the host a DNS name or an IPv4 address (an IPv6 one in brackets)
 GATEWAY_PATTERN = r"^([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$"
 INVITE_KEY = "invite"  # the key of spec.join.inviteSecret that holds the invite
+HOST_OWNED = "takes this from the host (spec.join); remove it"  # the refusal of a host-owned field
 JOIN_DESCRIPTION = ("join another lab's swarm instead of hosting one: run only this lab's peers, and take the "
                     "task, model and averaging from the host's token service")
 
@@ -72,7 +73,7 @@ def check_join(spec: BaseModel, lab_owned: Sequence[str], kind: str) -> None:
     changed = [path for owned in host_owned_paths(type(spec), lab_owned)
                for path in _differences(_at(given, owned), _at(default, owned), owned)]
     if changed:
-        raise ValueError(f"{', '.join(changed)}: a joining {kind} takes this from the host (spec.join); remove it")
+        raise ValueError(f"{', '.join(changed)}: a joining {kind} {HOST_OWNED}")
 
 
 def _at(document: Any, path: str) -> Any:
@@ -104,7 +105,7 @@ def host_owned_rules(model: type[BaseModel], lab_owned: Sequence[str], kind: str
         for part in path.split("."):
             node = node["properties"][part]
         rules.append(CelRule(f"!has(self.join) || {is_default(f'self.{path}', _at(default, path), node)}",
-                             f"a joining {kind} takes this from the host (spec.join); remove it", f".{path}"))
+                             f"a joining {kind} {HOST_OWNED}", f".{path}"))
     return tuple(rules)
 
 
