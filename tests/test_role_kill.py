@@ -21,7 +21,7 @@ from typing import Any, Optional
 import pytest
 
 from conftest import parent_pid, wait_for, write_manifest
-from helpers.processes import Proc, kill_all, proc, tree, wait_gone
+from helpers.processes import Proc, describe, kill_all, proc, tree, wait_gone
 from hivekeeper.local.network import free_port
 from hivekeeper.runtime.lifeline import POLL_SECONDS, STOP_GRACE_SECONDS
 from test_swarm_local import http_get, ports, processes_of
@@ -169,9 +169,9 @@ def test_killed_roles_and_runner_leave_nothing(kind, tmp_path, no_leaked_p2pd):
         assert set(ports(run.run_dir)) == set(order), "every role of the kind is killed"
         for name in order:
             left = run.kill_role(name)
-            assert not left, f"{name} killed: still running {left}"
+            assert not left, f"{name} killed: still running\n{describe(left)}"
         left = run.kill_runner(order)
-        assert not left, f"runner killed: still running {left}"
+        assert not left, f"runner killed: still running\n{describe(left)}"
         assert not processes_of(run.run_dir)
     finally:
         run.clean_up()

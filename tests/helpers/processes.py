@@ -44,6 +44,23 @@ def tree(pid: int) -> list[Proc]:
     return [p for p in found if p is not None]
 
 
+def describe(procs: Iterable[Proc]) -> str:
+    """One line a process: pid, name, state, parent and command line, for a failure message
+    that says which process was left and where it hangs."""
+    lines = []
+    for p in procs:
+        try:
+            stat = Path(f"/proc/{p.pid}/stat").read_text()
+            state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
+            cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            wchan = Path(f"/proc/{p.pid}/wchan").read_text()
+        except OSError:
+            lines.append(f"{p.pid} {p.comm}: gone")
+            continue
+        lines.append(f"{p.pid} {p.comm} state {state} ppid {ppid} wchan {wchan}: {cmdline[:160]}")
+    return "\n".join(lines)
+
+
 def wait_gone(procs: Iterable[Proc], timeout: float) -> list[Proc]:
     """Waits up to `timeout` seconds for every one of `procs` to be dead; those still alive."""
     procs = list(procs)

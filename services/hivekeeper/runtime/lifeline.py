@@ -28,7 +28,10 @@ with its p2pd, a peer nobody stops.
 - The supervisor. A role runs in a session of its own (Ctrl-C reaches only the runner), so a
   runner killed with SIGKILL would leave its roles running. The supervisor names itself in
   SUPERVISOR_ENV; the role watches its parent's pid from a thread, and once the supervisor is
-  gone it stops as on SIGTERM, and is killed STOP_GRACE_SECONDS later if it has not exited.
+  gone it stops as on SIGTERM, and is ended STOP_GRACE_SECONDS later if it has not exited. The
+  kernel ends it (SIGALRM, whose default action terminates the process): a Python thread could
+  not, since once the interpreter finalizes, a daemon thread that wakes never runs again, and a
+  stop that hangs there would keep the role, its DHT process and its p2pd alive.
 
 Elsewhere than Linux there is no parent-death signal and `install()` does nothing."""
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import shutil
 import signal
@@ -76,6 +80,7 @@ def install() -> None:
         _pid, _main_ident = os.getpid(), threading.main_thread().ident or 0
         os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
     if supervisor and supervisor.isdigit():
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the watcher's deadline terminates
         threading.Thread(target=_watch_supervisor, args=(int(supervisor),), name="supervisor-watch",
                          daemon=True).start()
 
@@ -134,7 +139,8 @@ def _die_with(parent: int) -> None:
 def _watch_supervisor(supervisor: int) -> None:
     while os.getppid() == supervisor:
         time.sleep(POLL_SECONDS)
+    # The deadline first: the kernel keeps it whatever becomes of this thread or the logging.
+    # When it fires, the role's children follow by their parent-death signal.
+    signal.alarm(math.ceil(STOP_GRACE_SECONDS))
     log.warning(f"the supervisor (pid {supervisor}) is gone: stopping")
     os.kill(os.getpid(), signal.SIGTERM)  # the role's own handler: a clean stop, DHT and p2pd first
-    time.sleep(STOP_GRACE_SECONDS)
-    os.kill(os.getpid(), signal.SIGKILL)  # its children follow by their parent-death signal
