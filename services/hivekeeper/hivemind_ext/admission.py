@@ -43,6 +43,7 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from hivekeeper.auth.tokens import signed_bytes, token_expiry, verify_access_token
 from hivekeeper.hivemind_ext import check_hivemind_version
+from hivekeeper.hivemind_ext.streams import hang_up_after_caller
 
 check_hivemind_version(__name__)
 
@@ -57,7 +58,7 @@ REFUSED = "hivekeeper admission refused"  # starts every refusal's message, so a
 OPEN_HANDLER_PREFIXES = ("DHTProtocol.", "hivekeeper.reachability.")
 RECHECK_SECONDS = 60.0  # a caller admits again this often, in case the callee restarted and forgot it
 TABLE_PREFIX = "hivekeeper-admitted-"  # then the installer's pid: a table whose installer is gone is removed
-DISCARD_SECONDS, DISCARD_BYTES = 2.0, 1 << 20  # what a refused stream may still send before it is cut
+DISCARD_SECONDS = 2.0  # how long a refused caller may take to hang up
 REASONS = ("not_admitted", "malformed", "bad_signature", "expired", "bad_proof")
 _ADMIT_DOMAIN = b"hivekeeper-admit-v1\x00"
 
@@ -217,13 +218,9 @@ class Gate:
             self.refuse("not_admitted")
             try:  # tell it why, in the form protobuf callers decode
                 await P2P.send_protobuf(RPCError(message=_not_admitted(name)), writer)
-                # then discard what it sends until it closes its side: closing ours with its data
-                # unread resets the stream, and the caller would lose the refusal
-                await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
-            except Exception:  # noqa: BLE001 (it may be gone already, or never stop sending)
+            except Exception:  # noqa: BLE001 (it may be gone already)
                 pass
-            finally:
-                writer.close()
+            await hang_up_after_caller(reader, writer, DISCARD_SECONDS)  # or it may lose the refusal
 
         return gated
 
@@ -262,14 +259,6 @@ class Gate:
 
     def forget(self, p2p: P2P, peer: PeerID) -> None:
         self._admitted_at.pop((p2p.peer_id.to_base58(), peer.to_base58()), None)
-
-
-async def _discard(reader: asyncio.StreamReader, limit: int = DISCARD_BYTES) -> None:
-    while limit > 0:
-        chunk = await reader.read(min(limit, 1 << 16))
-        if not chunk:
-            return
-        limit -= len(chunk)
 
 
 def _not_admitted(name: str) -> str:

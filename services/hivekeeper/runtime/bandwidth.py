@@ -20,6 +20,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from hivekeeper.hivemind_ext.streams import hang_up_after_caller
+
 log = logging.getLogger("hivekeeper.bandwidth")
 
 PROBE_HANDLER = "hivekeeper.bandwidth_probe"
@@ -50,8 +52,7 @@ async def _serve_probes(_dht, node) -> None:
             await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
-        finally:
-            writer.close()
+        await hang_up_after_caller(reader, writer)
 
     await node.p2p.add_binary_stream_handler(PROBE_HANDLER, handle)
 

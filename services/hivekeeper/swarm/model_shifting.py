@@ -29,6 +29,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from hivekeeper.hivemind_ext.streams import hang_up_after_caller
+
 log = logging.getLogger("hivekeeper.model_shifting")
 
 _ROUND = struct.Struct("!q")
@@ -50,8 +52,7 @@ async def _offer(handler: str, round_: int, payload: bytes, _dht, node) -> None:
                 await writer.drain()
             except (asyncio.IncompleteReadError, ConnectionError):
                 pass
-            finally:
-                writer.close()
+            await hang_up_after_caller(reader, writer)
 
         await node.p2p.add_binary_stream_handler(handler, serve)
     offers = _offers[handler]

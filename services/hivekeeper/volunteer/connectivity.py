@@ -114,13 +114,17 @@ async def _own_maddrs(p2p) -> list[str]:
     return [str(a) for a in await p2p.get_visible_maddrs(latest=True)]
 
 
-async def _first_answer(p2p, checkers: Sequence[str], maddrs: Sequence[str]) -> Optional[Answer]:
-    """The first checker's answer that says reachable, else the last answer (None if none answered)."""
+async def _first_answer(p2p, checkers: Sequence[str], maddrs: Sequence[str],
+                        errors: Optional[list[str]] = None) -> Optional[Answer]:
+    """The first checker's answer that says reachable, else the last answer (None if none
+    answered; then `errors` gets why each did not)."""
     last = None
     for checker in checkers:
         try:
             last = await ask(p2p, checker, maddrs)
-        except Exception:
+        except Exception as e:
+            if errors is not None:
+                errors.append(f"{_short(checker)}: {e!r}")
             continue
         if last.reachable:
             return last
@@ -148,9 +152,10 @@ async def _relayed_path(P2P, host: str, port: int, relays: Sequence[str]) -> tup
                 await asyncio.sleep(0.5)
         if not circuits:
             return None, f"no relay reserved a slot within {RESERVATION_TIMEOUT:.0f}s"
-        answer = await _first_answer(p2p, relays, circuits)
+        errors: list[str] = []
+        answer = await _first_answer(p2p, relays, circuits, errors)
         if answer is None:
-            return None, "no relay answered the relayed check"
+            return None, f"no relay answered the relayed check ({'; '.join(errors)})"
         if not answer.reachable:
             return None, f"the relay could not dial this peer through the circuit ({answer.error})"
         return circuits[0], ""

@@ -26,11 +26,15 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from hivekeeper.hivemind_ext.p2pd import dial, hang_up
+from hivekeeper.hivemind_ext.streams import hang_up_after_caller
 
 log = logging.getLogger("hivekeeper.reachability")
 
 HANDLER = "hivekeeper.reachability.v1"
 DIAL_TIMEOUT = 6.0  # a NAT that drops inbound SYNs makes the dial hang until this
+PROBE_START_TIMEOUT = 15.0  # a check's own p2pd starting on a loaded host (hivemind's default)
+# a caller waits for the checker's whole check: its p2pd's start, the dial, and the way back
+ANSWER_TIMEOUT = PROBE_START_TIMEOUT + DIAL_TIMEOUT + 10.0
 MAX_MADDRS = 8
 MAX_CONCURRENT = 2  # each check starts a p2pd of its own
 MAX_REQUEST_BYTES = 16 << 10
@@ -82,8 +86,7 @@ class ReachabilityService:
             await P2P.send_raw_data(json.dumps(reply).encode(), writer)
         except ConnectionError:
             pass
-        finally:
-            writer.close()
+        await hang_up_after_caller(reader, writer)
 
     async def dial_back(self, peer_id: PeerID, maddrs: Sequence["WireMaddr"]) -> tuple[bool, Optional[str]]:
         """From a daemon started for this check alone."""
@@ -122,7 +125,8 @@ class ReachabilityService:
 
 async def _probe_daemon() -> P2P:
     # no listening socket, no DHT, no bootstrap: a daemon that can only dial out
-    return await P2P.create(no_listen=True, auto_nat=False, nat_port_map=False, dht_mode="client", conn_manager=False)
+    return await P2P.create(no_listen=True, auto_nat=False, nat_port_map=False, dht_mode="client", conn_manager=False,
+                            startup_timeout=PROBE_START_TIMEOUT)
 
 
 async def _dial(probe: P2P, peer_id: PeerID, maddrs: Sequence["WireMaddr"], timeout: float) -> tuple[bool, Optional[str]]:
@@ -136,7 +140,7 @@ async def _dial(probe: P2P, peer_id: PeerID, maddrs: Sequence["WireMaddr"], time
 
 
 async def ask(p2p: P2P, checker: Union[str, PeerID], maddrs: Sequence[Union[str, Multiaddr]],
-              timeout: float = DIAL_TIMEOUT + 10.0, peer: Optional[str] = None) -> Answer:
+              timeout: float = ANSWER_TIMEOUT, peer: Optional[str] = None) -> Answer:
     """Ask one checker (a /p2p/ multiaddr to connect to first, or a peer ID already known) to
     dial this peer, or `peer` through a reservation at the checker, at `maddrs`."""
     peer_id = await connect(p2p, checker) if isinstance(checker, str) else checker
@@ -144,7 +148,11 @@ async def ask(p2p: P2P, checker: Union[str, PeerID], maddrs: Sequence[Union[str,
     try:
         request = {"maddrs": [str(a) for a in maddrs], **({"peer": peer} if peer else {})}
         await P2P.send_raw_data(json.dumps(request).encode(), writer)
-        reply: dict[str, Any] = json.loads(await asyncio.wait_for(_receive(reader), timeout))
+        try:
+            reply: dict[str, Any] = json.loads(await asyncio.wait_for(_receive(reader), timeout))
+        except asyncio.IncompleteReadError as e:
+            raise ConnectionError(f"checker {peer_id} closed the stream after {len(e.partial)} bytes "
+                                  "of its answer") from None
     finally:
         writer.close()
     return Answer(checker=str(peer_id), reachable=bool(reply.get("reachable")), observed=reply.get("observed"),
