@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import asyncio
 
+from hivekeeper.hivemind_ext import check_hivemind_version
+
+check_hivemind_version(__name__)  # the reset it works around is that of the p2pd hivemind ships
+
 __all__ = ["HANG_UP_SECONDS", "DISCARD_BYTES", "discard", "hang_up_after_caller"]
 
 HANG_UP_SECONDS = 10.0  # how long an answered caller may take to close its end
