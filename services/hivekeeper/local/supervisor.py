@@ -30,6 +30,7 @@ log = logging.getLogger("hivekeeper.supervisor")
 BACKOFF_START = 1.0
 BACKOFF_MAX = 30.0
 STABLE_SECONDS = 60.0  # a child that ran this long gets its backoff reset
+KILLED_SECONDS = 2.0  # for the children killed at the end of a stop to be reaped, all together
 
 
 @dataclass
@@ -148,29 +149,22 @@ class Supervisor:
         return sum(child.restarts for child in self.children)
 
     def stop(self, timeout: float = STOP_GRACE_SECONDS) -> None:
-        """SIGTERM everyone, wait up to `timeout`, then SIGKILL the process groups: whatever
-        the load, everything is gone well inside the 10 s a user waits after Ctrl-C."""
+        """SIGTERM everyone, wait up to `timeout`, then SIGKILL the process groups and wait up to
+        KILLED_SECONDS for them all, and as long for the fork server: whatever the load and the
+        number of roles, everything is gone inside the 10 s a user waits after Ctrl-C."""
         running = [c.process for c in self.children if c.process is not None and c.process.poll() is None]
         for process in running:
             try:
                 os.killpg(process.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + timeout
-        for process in running:
-            try:
-                process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for child in self.children:
-            if child.process is not None:
-                _kill_group(child.process.pid)
-                try:
-                    child.process.wait(2.0)
-                except subprocess.TimeoutExpired:
-                    pass
+        _wait_all(running, timeout)
+        started = [c.process for c in self.children if c.process is not None]
+        for process in started:
+            _kill_group(process.pid)
+        _wait_all(started, KILLED_SECONDS)
         if self._server is not None:
-            self._server.close()
+            self._server.close(KILLED_SECONDS)
 
 
 def _is_ready(host: str, port: Optional[int]) -> bool:
@@ -181,6 +175,16 @@ def _is_ready(host: str, port: Optional[int]) -> bool:
             return reply.status == 200
     except OSError:
         return False
+
+
+def _wait_all(processes: Sequence[subprocess.Popen | ForkedProcess], timeout: float) -> None:
+    """Waits until every one of `processes` has exited, or `timeout` seconds in all."""
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return
 
 
 def _kill_group(pgid: int) -> None:
