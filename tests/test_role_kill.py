@@ -1,13 +1,13 @@
 """A role killed with SIGKILL takes every process it started with it (the processes hivemind
 forks: its DHT's, its averagers'; each DHT's p2pd; torch's shared-memory manager), and
 `hivekeeper up` killed with SIGKILL takes every role of its run and theirs: one run of each kind,
-with every role the kind has (the Swarm's with the relay and the token service), each killed in
-turn, then the runner.
+with every role the kind has (the Swarm's with the relay and the token service), every role killed
+at once, then, once the runner has restarted them all, the runner.
 
-While a role is killed the runner is stopped (SIGSTOP): its clean-up of a dead child's process
-group, which kills what the child left there, must not be what removes them. Processes are named
-by pid and start time, recorded before the kill; the runner restarts each killed role (with the
-same name, ports and keys), and the next kill waits for nothing else."""
+While the roles are killed the runner is stopped (SIGSTOP): its clean-up of a dead child's
+process group, which kills what the child left there, must not be what removes them. Processes
+are named by pid and start time, recorded before the kill; the runner restarts each killed role
+(with the same name, ports and keys)."""
 
 from __future__ import annotations
 
@@ -41,11 +41,8 @@ def swarm() -> tuple[str, dict[str, Any], list[str]]:
     changes = {"spec": {"trainers": {"replicas": 1}, "auxiliary": {"replicas": 1},
                         "stopping": {"targetSteps": 1_000_000, "targetMetric": None},
                         "volunteers": {"relays": 1, "relayPort": relay, "gatewayPort": gateway}}}
-    # The trainer's and the auxiliary's replacements report under their names while the killed
-    # ones' reports live on (40 s): the balancer exits on the duplicates meanwhile, and is
-    # restarted; it is killed last.
-    order = ["trainer-0", "auxiliary-0", "monitor-0", "relay-0", "auth-0", "backbone-0", "balancer-0"]
-    return "swarm-digits-volunteers.yaml", changes, order
+    roles = ["trainer-0", "auxiliary-0", "monitor-0", "relay-0", "auth-0", "backbone-0", "balancer-0"]
+    return "swarm-digits-volunteers.yaml", changes, roles
 
 
 def blockserver() -> tuple[str, dict[str, Any], list[str]]:
@@ -117,27 +114,39 @@ class Run:
             os.kill(self.runner.pid, signal.SIGCONT)
         raise AssertionError(f"{what}: never so with the runner stopped")
 
-    def kill_role(self, name: str) -> list[Proc]:
-        """SIGKILL role `name`, ready, with the runner stopped; what of it is left after KILL_SECONDS."""
-        procs = self.stop_runner_when(lambda: self.ready(name), f"{name} ready")
+    def stop_runner_when_ready(self, names: list[str]) -> dict[str, list[Proc]]:
+        """Stops the runner once every role in `names` is ready; each one's processes."""
+        trees: dict[str, list[Proc]] = {}
+
+        def every_role_ready() -> bool:
+            trees.clear()
+            for name in names:
+                procs = self.ready(name)
+                if procs:
+                    trees[name] = procs
+            return len(trees) == len(names)
+
         try:
-            os.kill(procs[0].pid, signal.SIGKILL)
-            return wait_gone(procs, KILL_SECONDS)
+            self.stop_runner_when(every_role_ready, "every role ready")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; not ready: {', '.join(set(names) - set(trees))}") from None
+        return dict(trees)
+
+    def kill_roles(self, names: list[str]) -> dict[str, list[Proc]]:
+        """SIGKILL every role at once, each ready, with the runner stopped; what of each is left
+        after KILL_SECONDS (the roles with nothing left are not named)."""
+        trees = self.stop_runner_when_ready(names)
+        try:
+            for procs in trees.values():
+                os.kill(procs[0].pid, signal.SIGKILL)
+            left = set(wait_gone([p for procs in trees.values() for p in procs], KILL_SECONDS))
+            return {name: [p for p in procs if p in left] for name, procs in trees.items() if left & set(procs)}
         finally:
             os.kill(self.runner.pid, signal.SIGCONT)
 
     def kill_runner(self, names: list[str]) -> list[Proc]:
         """SIGKILL the runner once every role is ready; what of the run is left after RUNNER_SECONDS."""
-        not_ready = list(names)
-
-        def every_role_ready() -> bool:
-            not_ready[:] = [name for name in names if not self.ready(name)]
-            return not not_ready
-
-        try:
-            self.stop_runner_when(every_role_ready, "every role ready")
-        except AssertionError as e:
-            raise AssertionError(f"{e}; not ready: {', '.join(not_ready)}") from None
+        self.stop_runner_when_ready(names)
         procs = [p for child in children(self.runner.pid) for p in tree(child)]  # nothing starts now
         self.seen.update(procs)
         os.kill(self.runner.pid, signal.SIGKILL)
@@ -162,15 +171,15 @@ class Run:
 @pytest.mark.timeout(900)  # a hang guard: about 2 minutes a kind on an idle 2-core host
 @pytest.mark.parametrize("kind", [swarm, blockserver, expertpool], ids=["Swarm", "BlockServer", "ExpertPool"])
 def test_killed_roles_and_runner_leave_nothing(kind, tmp_path, no_leaked_p2pd):
-    base, changes, order = kind()
+    base, changes, roles = kind()
     run = Run(tmp_path, base, changes)
     try:
         wait_for(lambda: ports(run.run_dir), 60, "the run laid out")
-        assert set(ports(run.run_dir)) == set(order), "every role of the kind is killed"
-        for name in order:
-            left = run.kill_role(name)
-            assert not left, f"{name} killed: still running\n{describe(left)}"
-        left = run.kill_runner(order)
+        assert set(ports(run.run_dir)) == set(roles), "every role of the kind is killed"
+        left_by_role = run.kill_roles(roles)
+        assert not left_by_role, "roles killed: still running\n" + "\n".join(
+            f"{name}:\n{describe(left)}" for name, left in left_by_role.items())
+        left = run.kill_runner(roles)
         assert not left, f"runner killed: still running\n{describe(left)}"
         assert not processes_of(run.run_dir)
     finally:
