@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench_results import write_results
+from hivekeeper.local.runner import read_history
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -73,21 +74,10 @@ def wait_for(condition, timeout: float, what: str):
     raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def history(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "history.jsonl"
-    entries = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            entries.append(json.loads(line))
-        except ValueError:
-            continue
-    return entries
-
-
 def throughput(run_dir: Path, since: float, until: float) -> Optional[dict[str, float]]:
     """Collaboration samples/s between two wall times: optimizer steps x the global batch (what
     was averaged and applied), and the sum of the trainers' reported rates (what was computed)."""
-    window = [h for h in history(run_dir) if since <= h["time"] <= until and h["globalStep"] > 0]
+    window = [h for h in read_history(run_dir) if since <= h["time"] <= until and h["globalStep"] > 0]
     if len(window) < 2 or window[-1]["time"] - window[0]["time"] <= 0:
         return None
     span = window[-1]["time"] - window[0]["time"]
@@ -157,7 +147,7 @@ def main() -> None:
         runner = hivekeeper(lab, lab.cluster, "up", str(manifest), "--run-dir", str(cluster_dir), "--host",
                             lab.cluster_ip, stdout=open(work / "up.log", "wb"), stderr=subprocess.STDOUT)
         try:
-            wait_for(lambda: any(h["globalStep"] > 2 for h in history(cluster_dir)), 240, "the cluster to train")
+            wait_for(lambda: any(h["globalStep"] > 2 for h in read_history(cluster_dir)), 240, "the cluster to train")
             run = json.loads((cluster_dir / "run.json").read_text())
             invite = subprocess.run([sys.executable, "-m", "hivekeeper", "invite", str(cluster_dir), "--identity",
                                      "volunteer"], capture_output=True, text=True, check=True).stdout.strip()

@@ -15,6 +15,8 @@ them, after a failure too."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import secrets
@@ -22,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import pytest
@@ -133,6 +136,102 @@ class NatLab:
             self.kill_all(ns)
             _ip("netns", "del", ns, check=False)  # its veth ends go with it
         self._created.clear()
+
+
+class WanLab(NatLab):
+    """Two labs joined by a WAN: namespaces "a" and "b", each a lab's network, and a "wan"
+    router between them. Both labs have public addresses and route to each other through the
+    WAN; nothing blocks either way.
+
+        a 11.R.1.1/24 --- 11.R.1.2 [wan: delay line, rate cap each way] 11.R.2.2 --- 11.R.2.1/24 b
+
+    `shape` makes it a WAN: every forwarded packet is held for half the round trip (this kernel
+    has no netem: bench/wandelay holds the packets netfilter queues to it), then leaves through
+    a tbf rate cap on the link toward its lab, whose queue is the bottleneck's buffer."""
+
+    def __init__(self, name: str | None = None):
+        super().__init__(name)
+        self.a, self.wan, self.b = (f"{self.name}-{part}" for part in ("a", "wan", "b"))
+        self.a_ip, self.wan_a_ip = f"11.{self.net}.1.1", f"11.{self.net}.1.2"
+        self.b_ip, self.wan_b_ip = f"11.{self.net}.2.1", f"11.{self.net}.2.2"
+        self.wan_links = (f"{self.name}w", f"{self.name}x")  # the WAN's ends toward a and toward b
+        self._delay_line: subprocess.Popen | None = None
+        self._delay_ms: float | None = None
+
+    @property
+    def namespaces(self) -> tuple[str, str, str]:
+        return self.a, self.wan, self.b
+
+    def _build(self) -> None:
+        for ns in self.namespaces:
+            _ip("netns", "add", ns)
+            self._created.append(ns)
+            self.run(ns, ["ip", "link", "set", "lo", "up"])
+        n, (to_a, to_b) = self.name, self.wan_links
+        self._veth(f"{n}a", self.a, f"{self.a_ip}/24", to_a, self.wan, f"{self.wan_a_ip}/24")
+        self._veth(f"{n}b", self.b, f"{self.b_ip}/24", to_b, self.wan, f"{self.wan_b_ip}/24")
+        self.run(self.a, ["ip", "route", "add", "default", "via", self.wan_a_ip])
+        self.run(self.b, ["ip", "route", "add", "default", "via", self.wan_b_ip])
+        self.run(self.wan, ["sysctl", "-qw", "net.ipv4.ip_forward=1"])
+
+    def shape(self, mbit: float, rtt_ms: float) -> None:
+        """Caps each direction of the WAN at `mbit` and delays it by half of `rtt_ms`. The cap's
+        queue holds two round trips at the cap (at least 128 KiB), its burst 5 ms (at least a
+        64 KiB GSO packet)."""
+        if rtt_ms != self._delay_ms:
+            self._start_delay_line(rtt_ms / 2)
+        rate = mbit * 1e6 / 8
+        limit, burst = max(128 << 10, int(rate * rtt_ms / 1e3 * 2)), max(64 << 10, int(rate * 0.005))
+        for link in self.wan_links:
+            self.run(self.wan, ["tc", "qdisc", "replace", "dev", link, "root", "tbf", "rate", f"{mbit:g}mbit",
+                                "burst", str(burst), "limit", str(limit)])
+
+    def _start_delay_line(self, delay_ms: float) -> None:
+        self._stop_delay_line()
+        self._delay_line = self.popen(self.wan, [str(build_wandelay()), "-queue", "0", "-delay", f"{delay_ms:g}ms"],
+                                      stdout=subprocess.PIPE, text=True)
+        assert self._delay_line.stdout is not None
+        if self._delay_line.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"wandelay did not start (exit {self._delay_line.wait(10)})")
+        self.run(self.wan, ["iptables", "-w", "-A", "FORWARD", "-j", "NFQUEUE", "--queue-num", "0"])
+        self._delay_ms = delay_ms * 2
+
+    def _stop_delay_line(self) -> None:
+        if self._delay_line is not None:
+            self.run(self.wan, ["iptables", "-w", "-F", "FORWARD"])
+            self._delay_line.terminate()
+            self._delay_line.wait(10)
+            self._delay_line, self._delay_ms = None, None
+
+    def wan_bytes(self) -> int:
+        """Bytes the WAN has carried so far, both ways (what left it toward either lab)."""
+        total = 0
+        for link in self.wan_links:
+            stats = json.loads(self.run(self.wan, ["ip", "-j", "-s", "link", "show", "dev", link]).stdout)
+            total += stats[0]["stats64"]["tx"]["bytes"]
+        return total
+
+    def close(self) -> None:
+        if self._delay_line is not None and self._delay_line.poll() is None:
+            self._delay_line.kill()
+            self._delay_line.wait(10)
+        super().close()
+
+
+WANDELAY_SOURCE = Path(__file__).resolve().parents[1] / "bench" / "wandelay"
+
+
+def build_wandelay() -> Path:
+    """bench/wandelay built with this machine's Go, cached by its source's digest."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(WANDELAY_SOURCE.glob("*.go")))).hexdigest()[:16]
+    binary = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hivekeeper" / f"wandelay-{digest}"
+    if not binary.exists():
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        built = binary.with_suffix(".tmp")
+        subprocess.run(["go", "build", "-o", str(built), "."], cwd=WANDELAY_SOURCE, check=True,
+                       env={**os.environ, "CGO_ENABLED": "0"})
+        built.rename(binary)
+    return binary
 
 
 def _ip(*args: str, check: bool = True) -> None:

@@ -108,7 +108,7 @@ def build_summary(manifest: Manifest, run_dir: Path, supervisor: Supervisor, sta
                   interrupted: bool) -> dict[str, Any]:
     result_path = run_dir / "result.json"
     result = json.loads(result_path.read_text()) if completed and result_path.exists() else {}
-    history = _history(run_dir)
+    history = read_history(run_dir)
     rates = [entry["samplesPerSecond"] for entry in history if entry.get("samplesPerSecond")]
     plan = next((entry["plan"] for entry in reversed(history) if entry.get("plan")), None)
     achieved, predicted = step_rates(history)
@@ -155,7 +155,8 @@ def step_rates(history: list[dict[str, Any]]) -> tuple[Optional[float], Optional
     return round((s1 - s0) / (t1 - t0), 4), round(statistics.median(predictions), 4) if predictions else None
 
 
-def _history(run_dir: Path) -> list[dict[str, Any]]:
+def read_history(run_dir: Path) -> list[dict[str, Any]]:
+    """The monitor's records in RUN_DIR/history.jsonl, oldest first; none before it starts."""
     path = run_dir / "history.jsonl"
     if not path.exists():
         return []

@@ -1,0 +1,3 @@
+module hivekeeper.dev/bench/wandelay
+
+go 1.22
