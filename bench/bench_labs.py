@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import yaml
 from rich.console import Console
@@ -197,7 +197,9 @@ def link_check(lab: WanLab, mbit: float) -> dict[str, float]:
     return {"rttMs": round(rtt, 1), "bulkMbit": round(rate, 1)}
 
 
-def run_once(lab: WanLab, work: Path, args: argparse.Namespace, rates: list[float]) -> list[dict[str, Any]]:
+def run_once(lab: WanLab, work: Path, args: argparse.Namespace, rates: list[float],
+             measured: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
+    """Every arm once; `measured` sees each row as it is measured."""
     rows = []
     arms = [("gradients", True), ("gradients", False), ("diloco", False)]
     for mode, plan in arms:
@@ -225,6 +227,7 @@ def run_once(lab: WanLab, work: Path, args: argparse.Namespace, rates: list[floa
                 console.print(f"  A+B at {mbit:g} Mbit/s: {pooled['samplesPerSecond']} samples/s ({ratio}x)")
                 rows.append({"mode": mode, "plan": plan, "mbit": mbit, "alone": alone, "pooled": pooled,
                              "ratio": ratio})
+                measured(rows[-1])
         finally:
             arm.stop()
     return rows
@@ -295,17 +298,23 @@ def main() -> None:
             lab.shape(mbit, RTT_MS)
             links[mbit] = link_check(lab, mbit)
             console.print(f"WAN at {mbit:g} Mbit/s: {links[mbit]}")
-        runs = []
+        runs: list[list[dict[str, Any]]] = []
+
+        def save(complete: bool) -> list[dict[str, Any]]:
+            """The results so far: a run cut short keeps the rows it measured (`complete` false)."""
+            summary = summarize(runs)
+            write_results(NAME, anchor="lab A alone (same manifest, same machine): samples/s over equal applied work",
+                          complete=complete, summary=summary, runs=runs, links={str(k): v for k, v in links.items()},
+                          settings=vars(args), rttMs=RTT_MS)
+            return summary
+
         for repeat in range(args.repeats):
             console.print(f"repeat {repeat + 1} of {args.repeats}")
-            runs.append(run_once(lab, Path(tmp), args, rates))
-    summary = summarize(runs)
+            runs.append([])
+            run_once(lab, Path(tmp), args, rates, lambda row: (runs[-1].append(row), save(complete=False)))
+    summary = save(complete=True)
     report(summary, links, args)
-    settings = {k: v for k, v in vars(args).items()}
-    print(json.dumps({"summary": summary, "links": links, "settings": settings}, indent=2))
-    write_results("labs", anchor="lab A alone (same manifest, same machine): samples/s over equal applied work",
-                  summary=summary, runs=runs, links={str(k): v for k, v in links.items()}, settings=settings,
-                  rttMs=RTT_MS)
+    print(json.dumps({"summary": summary, "links": links, "settings": vars(args)}, indent=2))
 
 
 if __name__ == "__main__":

@@ -58,12 +58,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 1.0) -> Any:
-    deadline = time.monotonic() + timeout
+    """`condition()` once it is truthy, asked every `interval` s for at most `timeout` s. Each wait
+    prints how long it took (pytest shows it with a failure's output, or with -s)."""
+    start = time.monotonic()
+    deadline = start + timeout
     last_error: Exception | None = None
     while time.monotonic() < deadline:
         try:
             value = condition()
             if value:
+                print(f"waited {time.monotonic() - start:.0f} s of {timeout:.0f} for {what}")
                 return value
         except subprocess.CalledProcessError as e:  # a transient API error
             last_error = e
