@@ -55,11 +55,14 @@ def write_manifest(directory: Path, changes: dict[str, Any] | None = None, base:
 
 def wait_for(condition, timeout: float, what: str, interval: float = 0.5, explain=None):
     """Poll `condition` until it returns something truthy (returned), or fail naming `what` and,
-    with `explain`, what `explain()` says then (say, the status of the role that never got there)."""
-    deadline = time.monotonic() + timeout
+    with `explain`, what `explain()` says then (say, the status of the role that never got there).
+    Each wait prints how long it took: a failing test's output shows where its time went."""
+    start = time.monotonic()
+    deadline = start + timeout
     while time.monotonic() < deadline:
         value = condition()
         if value:
+            print(f"waited {time.monotonic() - start:.1f} s of {timeout:.0f} for {what}")
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f": {explain()}" if explain else ""))
@@ -71,6 +74,13 @@ def interrupt_run(runner) -> dict[str, Any]:
     out, err = runner.communicate(timeout=60)
     assert runner.returncode == 130, err[-3000:]
     return json.loads(out)
+
+
+def print_run_logs(run_dir: Path, *extra: Path, tail: int = 2000) -> None:
+    """The end of each log of a local run (and of `extra` files): pytest shows what a test
+    printed when it fails, so a failed run explains itself."""
+    for path in [*extra, *sorted((run_dir / "logs").glob("*.log"))]:
+        print(f"--- {path.name}:", path.read_text(errors="replace")[-tail:] if path.exists() else "(none)")
 
 
 def kill_leftover(runner) -> None:

@@ -126,5 +126,7 @@ def test_a_dead_server_refuses_clearly_and_the_supervisor_starts_another(tmp_pat
     wait_for(lambda: not first.alive, 10, "the supervisor to see its server gone")
     second = supervisor._fork_server()
     assert second is not first and second.alive
-    supervisor.stop()
-    assert second.process.returncode == 0
+    child = second.spawn(["validate", str(EXAMPLE)], tmp_path / "child.log", dict(os.environ))
+    assert child.wait(60) == 0  # the new server serves
+    supervisor.stop()  # gives a server 2 s after its stdin closes, then kills it: gone either way
+    assert second.process.poll() is not None and not second.alive

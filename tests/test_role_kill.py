@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import pytest
 
-from conftest import parent_pid, wait_for, write_manifest
+from conftest import parent_pid, print_run_logs, wait_for, write_manifest
 from helpers.processes import Proc, describe, kill_all, proc, tree, wait_gone
 from hivekeeper.local.network import free_port
 from hivekeeper.runtime.lifeline import POLL_SECONDS, STOP_GRACE_SECONDS
@@ -161,11 +161,6 @@ class Run:
             self.runner.wait(30)
         kill_all([*self.seen, *(p for pid in processes_of(self.run_dir) for p in tree(pid))])
 
-    def print_logs(self) -> None:
-        """The runner's output and the end of every role's log (pytest shows them if the test fails)."""
-        for path in [self.log, *sorted((self.run_dir / "logs").glob("*.log"))]:
-            print(f"--- {path.name}:", path.read_text(errors="replace")[-2000:] if path.exists() else "(none)")
-
 
 @pytest.mark.swarm
 @pytest.mark.timeout(900)  # a hang guard: about 2 minutes a kind on an idle 2-core host
@@ -184,4 +179,4 @@ def test_killed_roles_and_runner_leave_nothing(kind, tmp_path, no_leaked_p2pd):
         assert not processes_of(run.run_dir)
     finally:
         run.clean_up()
-        run.print_logs()
+        print_run_logs(run.run_dir, run.log)

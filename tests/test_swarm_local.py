@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import kill_leftover, wait_for, write_manifest
+from conftest import kill_leftover, print_run_logs, wait_for, write_manifest
 from hivekeeper.dashboards import expressions
+from hivekeeper.local.supervisor import KILLED_SECONDS
+from hivekeeper.runtime.lifeline import STOP_GRACE_SECONDS
 from hivekeeper.tasks import load_task
 
 SMALL = {"spec": {
@@ -121,7 +123,7 @@ def metric(text: str, name: str, labels: str = "") -> float:
 
 
 @pytest.mark.swarm
-@pytest.mark.timeout(480)  # a hang guard: 160 s on an idle 2-core host, twice that on a loaded CI one
+@pytest.mark.timeout(720)  # a hang guard: 75 s on an idle 2-core host, 350 s with two busy loops per core
 def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd):
     """Checks on a live run, which the test ends once it has seen them all (a run with a target
     may end before a loaded host gets through them: the demo's swarm now takes 1.5 steps/s)."""
@@ -129,7 +131,7 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
     runner = start_up(write_manifest(tmp_path, {**SMALL, "spec": {**SMALL["spec"], "stopping": {"targetSteps": 10_000, "targetMetric": None}}}),
                       run_dir, "--prometheus")
     try:
-        wait_for(lambda: global_step(run_dir) >= 3, 150, "three global steps")
+        wait_for(lambda: global_step(run_dir) >= 3, 300, "three global steps")  # 7 roles start first
 
         def averaged_once() -> str | None:
             for name in ("trainer-0", "trainer-1"):
@@ -181,8 +183,10 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
                                   and s, 60, "the monitor to see the plan over every averaging peer")
         assert monitor_status["plan"]["stepsPerSecond"] > 0
         # `hivekeeper status --swarm`: every peer's report, read from the swarm's DHT.
+        began = time.monotonic()  # a new process with a DHT of its own: minutes on a loaded host
         peers = subprocess.run([sys.executable, "-m", "hivekeeper", "status", str(run_dir), "--swarm", "digits",
-                                "--json"], capture_output=True, text=True, timeout=120)
+                                "--json"], capture_output=True, text=True, timeout=240)
+        print(f"status --swarm took {time.monotonic() - began:.1f} s")
         assert peers.returncode == 0, peers.stderr
         assert {"backbone-0", "trainer-0", "trainer-1", "auxiliary-0"} <= {r["name"] for r in json.loads(peers.stdout)}
         # `--prometheus`: a real Prometheus scrapes every process, and every dashboard panel that a
@@ -199,7 +203,7 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
         except AssertionError:
             pytest.fail(f"panels without data: {silent}")
 
-        # Ctrl-C, with the whole swarm at work: every process is gone within 10 s.
+        # Ctrl-C, with the whole swarm at work: every process is gone within 10 s on a quiet host.
         assert len(processes_of(run_dir)) >= 5
         runner.send_signal(signal.SIGINT)
         began = time.monotonic()
@@ -207,8 +211,12 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
         stopped_in = time.monotonic() - began
     finally:
         kill_leftover(runner)
+        print_run_logs(run_dir)
     assert runner.returncode == 130, err[-3000:]
-    assert stopped_in < 10.0, f"took {stopped_in:.1f}s"
+    # The supervisor's stop is bounded by construction (STOP_GRACE_SECONDS, then 2 s for the killed
+    # roles and 2 s for the fork server): 9 s, and about 3 s on an idle host. What a loaded host
+    # adds is the runner's own summary and exit: 10.1 s in all with two busy loops per core.
+    assert stopped_in < STOP_GRACE_SECONDS + 2 * KILLED_SECONDS + 6.0, f"took {stopped_in:.1f}s"
     summary = json.loads(out)
     assert summary == json.loads((run_dir / "summary.json").read_text())
     assert summary["state"] == "interrupted" and summary["globalStep"] >= 3

@@ -93,11 +93,18 @@ class LocalPrometheus:
         self.stop()
         raise RuntimeError(f"prometheus not ready after {timeout:.0f}s; see {self.log_path}")
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """Asks Prometheus to shut down (it closes its database cleanly) and returns at once: a
+        run that stops its roles meanwhile ends both in the time of the longer."""
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Shuts Prometheus down: `timeout` seconds to close its database, then a kill."""
+        self.terminate()
+        if self.process is not None:
             try:
-                self.process.wait(10)
+                self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(5)

@@ -18,7 +18,7 @@ from hivekeeper.local.identity import ensure_identity
 from hivekeeper.local.network import LocalNetwork
 from hivekeeper.local.progress import ProgressView, fetch_status
 from hivekeeper.local.prometheus import LocalPrometheus
-from hivekeeper.local.supervisor import Supervisor
+from hivekeeper.local.supervisor import KILLED_SECONDS, Supervisor
 from hivekeeper.kinds import runtime
 from hivekeeper.spec import Manifest
 from hivekeeper.topology import METRICS, P2P
@@ -89,9 +89,11 @@ def run_locally(manifest: Manifest, run_dir: Path, console: Console | None = Non
                 interrupted.wait(POLL_SECONDS)
     finally:
         console.print("stopping all processes..." if not completed else "run complete; stopping peers...")
+        if scraper:  # shuts down beside the roles: all of it within the 10 s a user waits after Ctrl-C
+            scraper.terminate()
         supervisor.stop()
         if scraper:
-            scraper.stop()
+            scraper.stop(KILLED_SECONDS)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
