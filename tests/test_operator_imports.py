@@ -2,7 +2,7 @@
 time: validating a spec checks task options with torch-free models, keys are made with
 `cryptography`, volunteers' invites are signed without hivemind. Checked in a fresh interpreter
 that imports the operator and reconciles one of each kind (volunteers, a checkpoint claim and a
-bad manifest among them) against the emulator."""
+bad manifest among them) against the emulator. Nor does `hivekeeper invite`."""
 
 from __future__ import annotations
 
@@ -66,3 +66,31 @@ def test_the_operator_never_imports_torch_hivemind_or_sklearn(tmp_path):
     # A bad task option still gets one clear line naming the field.
     assert "spec.task.options.hiddenSize" in result["bad"] and "greater than or equal to 8" in result["bad"]
     print(f"operator RSS after one reconcile of each kind: {result['rss_kib'] / 1024:.0f} MiB")
+
+
+INVITE_PROBE = r"""
+import sys
+from hivekeeper.cli import main
+code = main(["invite", "--key-file", sys.argv[1], "--identity", "lab-b"])
+print("heavy:", ",".join(m for m in ("torch", "hivemind") if m in sys.modules), file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def test_an_invite_is_minted_without_torch_or_hivemind_and_the_swarm_reads_it(tmp_path):
+    """An admin's `hivekeeper invite` (and the real-cluster tier's) costs no torch import: on a
+    loaded host that import alone took over two minutes. The token service, which has hivemind,
+    reads the invite."""
+    from hivekeeper.auth.keys import load_swarm_key
+    from hivekeeper.auth.tokens import read_invite
+    from hivekeeper_operator.volunteers import generate_swarm_key
+
+    key_file = tmp_path / "swarm-auth.pem"
+    key_file.write_bytes(generate_swarm_key())
+    done = subprocess.run([sys.executable, "-c", INVITE_PROBE, str(key_file)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    heavy = next(line for line in done.stderr.splitlines() if line.startswith("heavy:"))
+    assert heavy == "heavy: ", done.stderr
+    invite = read_invite(done.stdout.strip(), load_swarm_key(key_file).get_public_key())
+    assert invite.identity == "lab-b"

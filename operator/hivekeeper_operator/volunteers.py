@@ -17,9 +17,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 
+from hivekeeper.auth.signing import signing_key_from_pem
 from hivekeeper.auth.tokens import InvalidToken, mint_invite, read_invite
 from hivekeeper.spec.volunteers import VolunteersSpec
 from hivekeeper.topology import GRPC, P2P, Role
@@ -59,33 +60,6 @@ class VolunteerAccess:
     invites_data: dict[str, str]  # Secret data: every role's invite
 
 
-class _SigningKey:
-    """The swarm key as `hivekeeper.auth.tokens` uses it (hivemind's RSA scheme: PSS, SHA-256,
-    base64 signatures), without importing hivemind."""
-
-    _PADDING = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH)
-
-    def __init__(self, key: Any):
-        self.key = key
-
-    def sign(self, data: bytes) -> bytes:
-        return base64.b64encode(self.key.sign(data, self._PADDING, hashes.SHA256()))
-
-    def get_public_key(self) -> "_SigningKey":
-        return _SigningKey(self.key.public_key())
-
-    def to_bytes(self) -> bytes:
-        """Of the public key: its OpenSSH form, like hivemind's RSAPublicKey (invites carry its fingerprint)."""
-        return self.key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-
-    def verify(self, data: bytes, signature: bytes) -> bool:
-        try:
-            self.key.verify(base64.b64decode(signature), data, self._PADDING, hashes.SHA256())
-            return True
-        except Exception:  # noqa: BLE001 (bad base64 or signature: not ours)
-            return False
-
-
 def generate_swarm_key() -> bytes:
     """A fresh token-signing key, PEM."""
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
@@ -101,7 +75,7 @@ def ensure_access(auth_data: Optional[dict[str, str]], invites_data: Optional[di
     auth = dict(auth_data or {})
     if SWARM_KEY not in auth:
         auth[SWARM_KEY] = base64.b64encode(generate()).decode()
-    key = _SigningKey(serialization.load_pem_private_key(base64.b64decode(auth[SWARM_KEY]), password=None))
+    key = signing_key_from_pem(base64.b64decode(auth[SWARM_KEY]), SWARM_KEY)
     public = key.get_public_key()
     now = time.time() if now is None else now
     invites: dict[str, str] = {}

@@ -29,8 +29,12 @@ def run(args: argparse.Namespace) -> int:
     key_path = Path(args.key_file) if args.key_file else Path(args.run_dir) / "keys" / "swarm-auth.pem"
     if not key_path.is_file():
         raise UserError(f"{key_path}: no signing key (does the swarm set volunteers.enabled?)")
-    from hivekeeper.auth.keys import load_swarm_key
+    from hivekeeper.auth.signing import load_signing_key
     from hivekeeper.auth.tokens import mint_invite
 
-    print(mint_invite(load_swarm_key(key_path), args.identity, time.time() + args.hours * 3600))
+    try:
+        key = load_signing_key(key_path)
+    except ValueError as e:
+        raise UserError(f"{key_path}: not a signing key: {e}") from None
+    print(mint_invite(key, args.identity, time.time() + args.hours * 3600))
     return 0
