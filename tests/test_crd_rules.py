@@ -256,6 +256,21 @@ CROSS_FIELD: dict[str, dict[str, tuple[dict[str, Any], str]]] = {
             "spec.volunteers.gatewayPort"),
         "the gateway on a relay's port": ({"volunteers": {"relayPort": 31337, "relays": 2, "gatewayPort": 31338}},
                                           "spec.volunteers.gatewayPort"),
+        "node ports without a port": ({"trainers": {"network": {"expose": "NodePort"}}}, "spec.trainers.network.port"),
+        "a port on peers not exposed": ({"auxiliary": {"network": {"port": 31000}}}, "spec.auxiliary.network.port"),
+        "a public host for host ports": ({"backbone": {"network": {"expose": "HostPort", "publicHost": "lab.example"}}},
+                                         "spec.backbone.network.publicHost"),
+        "a trainer's node port out of range": ({"trainers": {"replicas": 3, "network": {"expose": "NodePort",
+                                                                                          "port": 32766}}},
+                                               "spec.trainers.network.port"),
+        "a backbone's node port out of range": ({"backbone": {"network": {"expose": "NodePort", "port": 8080}}},
+                                                "spec.backbone.network.port"),
+        "an auxiliary's node port out of range": ({"auxiliary": {"network": {"expose": "NodePort", "port": 29000}}},
+                                                  "spec.auxiliary.network.port"),
+        "a client-only backbone": ({"backbone": {"network": {"expose": "ClientOnly"}}}, "spec.backbone.network.expose"),
+        "client-only auxiliaries": ({"auxiliary": {"network": {"expose": "ClientOnly"}}}, "spec.auxiliary.network.expose"),
+        "client-mode trainers with a public address": ({"trainers": {"clientMode": True, "network": {"expose": "HostPort"}}},
+                                                       "spec.trainers.clientMode"),
         "two monitor claims": ({"monitor": {"volumeClaim": {}, "existingClaim": "lab-nfs"}}, "spec.monitor.existingClaim"),
         "a monitor claim without a monitor": (
             {"monitor": {"enabled": False, "existingClaim": "lab-nfs"}, "stopping": {"targetMetric": None}},
@@ -291,6 +306,7 @@ CROSS_FIELD: dict[str, dict[str, tuple[dict[str, Any], str]]] = {
         "session longer than the cache": ({"servers": {"maxSessionTokens": 8192}}, "spec.servers.maxSessionTokens"),
         "a lab running trainers": ({"volunteers": {"labs": [{"name": "b", "maxPeers": 1, "roles": ["trainer"]}]}},
                                    "spec.volunteers.labs"),
+        "client-only servers": ({"servers": {"network": {"expose": "ClientOnly"}}}, "spec.servers.network.expose"),
         "a model volume with a claim and a source": (
             {"model": {"tiny": None, "checkpoint": "/models/lm",
                        "volume": {"existingClaim": "lab", "source": {"nfs": {"server": "nas", "path": "/m"}}}}},
@@ -301,6 +317,8 @@ CROSS_FIELD: dict[str, dict[str, tuple[dict[str, Any], str]]] = {
     },
     "ExpertPool": {
         "a task other than digits": ({"task": {"name": "causal-lm"}}, "spec.task.name"),
+        "a server's node port out of range": ({"servers": {"replicas": 2, "network": {"expose": "NodePort", "port": 32767}}},
+                                              "spec.servers.network.port"),
         "a lab running auxiliaries": ({"volunteers": {"labs": [{"name": "b", "maxPeers": 1, "roles": ["auxiliary"]}]}},
                                       "spec.volunteers.labs"),
         "no trainer in a pool that joins no other": ({"trainers": {"replicas": 0}}, "spec.trainers.replicas"),
@@ -330,7 +348,10 @@ OPERATOR_ONLY = {
               "a lab on the allowlist too": {"volunteers": {"allowlist": ["b"], "labs": [
                   {"name": "b", "maxPeers": 1, "roles": ["trainer"]}]}},
               "a volume twice": {"placement": {"volumes": [{"name": "data", "emptyDir": {}},
-                                                           {"name": "data", "emptyDir": {}}]}}},
+                                                           {"name": "data", "emptyDir": {}}]}},
+              # a rule over every group's and the door's ports: more CEL than it is worth
+              "a node port of two groups": {"trainers": {"network": {"expose": "NodePort", "port": 31000}},
+                                            "backbone": {"network": {"expose": "NodePort", "port": 31001}}}},
     "BlockServer": {"a model volume source that is no volume source": {"model": {
         "tiny": None, "checkpoint": "/models/lm", "volume": {"source": {"nfs": "nas"}}}}},
     "ExpertPool": {"an unknown task option": {"task": {"options": {"bogus": 1}}}},

@@ -14,6 +14,7 @@ Children of a resource NAME (owned by it, labelled hivekeeper.dev/swarm=NAME), o
   NAME-BACKBONE       PodDisruptionBudget (minAvailable: 1) for the bootstrap peers
   NAME-checkpoints    PersistentVolumeClaim (a monitor's or expert servers' volumeClaim, `storage.py`)
   volunteers          Secrets and external Services (spec.volunteers, `volunteers.py`)
+  NAME-ROLE-public    Service      per peer of a group exposed by NodePort or LoadBalancer (`exposure.py`)
   NAME                ServiceMonitor, when the Prometheus Operator's CRD is installed
 
 A pod template carries a hash of what its role reads at start (the spec sections it reads, less
@@ -31,9 +32,9 @@ from hivekeeper.kinds import KindRuntime, runtime
 from hivekeeper.spec import Manifest
 from hivekeeper.spec.crd import KINDS
 from hivekeeper.spec.volunteers import VolunteersSpec
-from hivekeeper.topology import METRICS, Role, lab_index_base, relay_maddrs, volunteer_info
+from hivekeeper.topology import METRICS, Role, lab_index_base, public_backbone_maddrs, relay_maddrs, volunteer_info
 
-from hivekeeper_operator import pods, volunteers
+from hivekeeper_operator import exposure, pods, volunteers
 from hivekeeper_operator.joining import HostSwarm, lab_components
 from hivekeeper_operator.network import CONFIG_DIR, P2P_PORT, RUN_DIR, KubernetesNetwork
 from hivekeeper_operator.pods import LABEL_INSTANCE, LABEL_METRICS, WorkloadSettings, child_name
@@ -60,6 +61,7 @@ class Request:
     completed: bool = False  # the run is over: stop every peer
     service_monitor: bool = False
     joined: HostSwarm | None = None  # spec.join: the swarm this lab takes part in (`manifest` is its plan)
+    peer_hosts: dict[str, str] = field(default_factory=dict)  # role -> its LoadBalancer's address, once known
 
 
 @dataclass
@@ -102,12 +104,13 @@ def door_of(manifest: Manifest) -> VolunteersSpec | None:
 
 
 def network_of(manifest: Manifest, settings: WorkloadSettings, relay_hosts: list[str | None] | None = None,
-               joined: HostSwarm | None = None) -> KubernetesNetwork:
+               joined: HostSwarm | None = None, peer_hosts: dict[str, str] | None = None) -> KubernetesNetwork:
     door = door_of(manifest)
     return KubernetesNetwork(manifest.metadata.name, manifest.metadata.namespace, settings.cluster_domain,
                              relay_public_hosts=relay_hosts or [], relay_port=door.relay_port if door else P2P_PORT,
                              entry_points=joined.entry_points if joined else (),
-                             index_base=lab_index_base(joined.identity) if joined else 0)
+                             index_base=lab_index_base(joined.identity) if joined else 0,
+                             peer_public_hosts=peer_hosts)
 
 
 def render_roles(manifest: Manifest, peer_ids: dict[str, str], settings: WorkloadSettings,
@@ -219,6 +222,13 @@ def access(d: Draft) -> list[dict[str, Any]]:
                                    "statefulset.kubernetes.io/pod-name": f"{child_name(name, component)}-{index}"})
 
 
+def exposed(d: Draft) -> list[dict[str, Any]]:
+    return exposure.exposed_services(
+        d.meta, d.name, d.roles,
+        lambda role: {**pods.selector_labels(d.name, role.component),
+                      "statefulset.kubernetes.io/pod-name": f"{child_name(d.name, role.component)}-{role.index}"})
+
+
 def claims(d: Draft) -> list[dict[str, Any]]:
     return [s.claim for s in d.storage if s.claim is not None]
 
@@ -276,7 +286,7 @@ def service_monitor(d: Draft) -> list[dict[str, Any]]:
 
 
 CHILDREN: tuple[Callable[[Draft], list[dict[str, Any]]], ...] = (
-    config_map, access, claims, services, workloads, disruption_budgets, service_monitor)
+    config_map, access, exposed, claims, services, workloads, disruption_budgets, service_monitor)
 # What the owner scan lists to find children no longer planned. The ConfigMap and the
 # ServiceMonitor (while its CRD is served) are always planned; Secrets are found through the keys
 # Secret's record (never listed); a claim is never deleted while its owner exists.
@@ -290,7 +300,7 @@ def plan(request: Request) -> Plan:
     assert (request.access is not None) == (door is not None), "volunteer access material iff volunteers are enabled"
     relay_hosts = request.access.relay_hosts if request.access else None
     joined = request.joined
-    network = network_of(manifest, request.settings, relay_hosts, joined)
+    network = network_of(manifest, request.settings, relay_hosts, joined, request.peer_hosts)
     if joined is not None and joined.plan_signer:  # the host's: its peers follow the host's plan
         peer_ids = {**peer_ids, volunteers.PLAN_SIGNER: joined.plan_signer}
     roles = kind.roles(manifest, network, peer_ids, MANIFEST_PATH, RUN_DIR)
@@ -302,7 +312,8 @@ def plan(request: Request) -> Plan:
         roles, sample_roles = ([r for r in group if r.component in contributed] for group in (roles, sample_roles))
     components = components_of(kind, roles, sample_roles)
     relays = volunteers.relay_ids(door, peer_ids) if door else []
-    info = volunteer_info(manifest, network, relays, plan_signer=peer_ids.get(volunteers.PLAN_SIGNER)) if door else None
+    info = volunteer_info(manifest, network, relays, plan_signer=peer_ids.get(volunteers.PLAN_SIGNER),
+                          backbones=public_backbone_maddrs(network, roles, peer_ids)) if door else None
     draft = Draft(request, kind, roles, components,
                   {c.name: config_hash(pods_manifest(request), kind, c, info) for c in components}, network, door, info,
                   storage_of(manifest, lambda name, component: pods.metadata(request.owner, name, component)))

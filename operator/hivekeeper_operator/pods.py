@@ -224,8 +224,10 @@ def pod_template(name: str, role: Role, config_hash: str, settings: WorkloadSett
     pairs += list(extra_volumes)
     if door is not None:
         pairs += _access_volumes(name, role, door)
-    ports = [{"name": P2P, "containerPort": P2P_PORT, "protocol": "TCP"},
-             {"name": METRICS, "containerPort": METRICS_PORT, "protocol": "TCP"}]
+    p2p: dict[str, Any] = {"name": P2P, "containerPort": P2P_PORT, "protocol": "TCP"}
+    if role.exposure.expose == "HostPort":  # one peer of the group per node: the scheduler sees to it
+        p2p["hostPort"] = role.exposure.public_port(role.index)
+    ports = [p2p, {"name": METRICS, "containerPort": METRICS_PORT, "protocol": "TCP"}]
     if GRPC in role.ports:
         ports.append({"name": GRPC, "containerPort": GRPC_PORT, "protocol": "TCP"})
 
@@ -241,6 +243,9 @@ def pod_template(name: str, role: Role, config_hash: str, settings: WorkloadSett
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "HOME", "value": "/tmp"}, {"name": "PYTHONUNBUFFERED", "value": "1"},
+            # the node's IP, which a peer exposed at a node or host port announces
+            *([{"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}}]
+              if role.exposure.expose in ("NodePort", "HostPort") else []),
         ],
         "ports": ports, "resources": quantity_resources(role.resources),
         "startupProbe": probe("/healthz", 5, 120),  # importing torch and building a model takes a while

@@ -16,7 +16,7 @@ from hivekeeper.kinds import runtime
 from hivekeeper.spec import Manifest, parse_manifest
 from hivekeeper.spec.crd import KINDS
 
-from hivekeeper_operator import identity, joining, pods, readers, volunteers
+from hivekeeper_operator import exposure, identity, joining, pods, readers, volunteers
 from hivekeeper_operator.conditions import Cond, condition, now_rfc3339
 from hivekeeper_operator.events import NORMAL, WARNING, EventRecorder
 from hivekeeper_operator.kube import (LABEL_MANAGED_BY, MANAGED_BY, Applier, ApplyResult, Kube, KubeError, NameConflict,
@@ -162,7 +162,7 @@ class Reconciler:
             "monitoring.coreos.com/v1", "servicemonitors")
         request = Request(obj, manifest, peer_ids, keys_data, self.config.settings,
                           access=self._volunteer_access(manifest, peer_ids), service_monitor=service_monitor,
-                          joined=joined)
+                          joined=joined, peer_hosts=self._peer_hosts(manifest, peer_ids))
         try:
             wanted = plan(request)
         except UserError as e:  # a placement naming a volume, mount or variable of the pods' own
@@ -280,6 +280,14 @@ class Reconciler:
         auth_data, invites_data = volunteers.ensure_access(
             *[(s or {}).get("data") if _managed(s) else None for s in secrets], name, roles)
         return volunteers.VolunteerAccess(relay_hosts=hosts, auth_data=auth_data, invites_data=invites_data)
+
+    def _peer_hosts(self, manifest: Manifest, peer_ids: dict[str, str]) -> dict[str, str]:
+        """The address of each LoadBalancer-exposed peer's Service, once it has one."""
+        awaited = exposure.awaited_hosts(render_roles(manifest, peer_ids, self.config.settings))
+        if not awaited:
+            return {}
+        name, namespace = manifest.metadata.name, manifest.metadata.namespace
+        return exposure.public_hosts(name, awaited, lambda service: self.kube.get("v1", "Service", namespace, service))
 
     def _reading(self, manifest: Manifest, wanted: Plan, workloads: dict[str, Any], completed: bool) -> dict | None:
         """The reporter's /status (a Swarm's monitor; by default, and in a lab that joins another's

@@ -87,7 +87,7 @@ def runtime(kind: str) -> KindRuntime:
 
 # The roles that let volunteers in, which every kind that takes them runs.
 ACCESS_ROLES = {
-    "relay": RoleEntry("hivekeeper.volunteer.relay", (arguments.peer_access, arguments.relay)),
+    "relay": RoleEntry("hivekeeper.volunteer.relay", (arguments.peer_access,)),
     "auth": RoleEntry("hivekeeper.volunteer.token_service", (arguments.token_service,)),
 }
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 import ipaddress
 import zlib
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from hivekeeper.spec import Manifest
 from hivekeeper.spec.common import Resources
+from hivekeeper.spec.network import PeerNetwork
 from hivekeeper.spec.placement import Placement
 from hivekeeper.spec.volunteers import VolunteersSpec
 
@@ -42,6 +43,7 @@ class Role:
     ports: dict[str, int] = field(default_factory=dict)
     resources: Resources = field(default_factory=Resources)
     placement: Placement = field(default_factory=Placement)  # its pod's, in a cluster
+    exposure: PeerNetwork = field(default_factory=PeerNetwork)  # its group's reach from outside the cluster
     restart: bool = True  # restart after a crash
     completes_run: bool = False  # its successful exit means the run is done
     backbone: bool = False  # a bootstrap peer of its kind: others dial it, so it starts first
@@ -62,6 +64,11 @@ class Network(Protocol):
 
     def announce_host(self, role_name: str) -> str | None:
         """The address others dial for this role, if not the listen address."""
+
+    def public_address(self, role_name: str, index: int, exposure: PeerNetwork) -> str | None:
+        """host:port where peers outside the cluster dial role `role_name` (peer `index` of a
+        group exposed as `exposure` says), announced along with the announce host; None for
+        none (a group not exposed, or a LoadBalancer still being provisioned)."""
 
     def gateway_address(self) -> str:
         """host:port where the swarm's own roles reach the token service."""
@@ -90,10 +97,12 @@ def lab_index_base(lab: str) -> int:
 def make_role(component: str, index: int, network: Network, manifest_path: str, run_dir: str,
               initial_peers: list[str], resources: Resources, *, placement: Placement | None = None,
               identity: bool = False, backbone: bool = False, completes_run: bool = False,
-              extra_args: tuple[str, ...] = (), extra_ports: tuple[str, ...] = ()) -> Role:
+              extra_args: tuple[str, ...] = (), extra_ports: tuple[str, ...] = (),
+              exposure: PeerNetwork | None = None) -> Role:
     """One role of any kind: `hivekeeper run COMPONENT` with the arguments every role takes.
     Its name and ports are the resource's (`index`); its peer index in the swarm is
-    `network.index_base` + `index`."""
+    `network.index_base` + `index`. `exposure`, its group's: a ClientOnly peer runs in client
+    mode, and a public one announces its public address too."""
     name = f"{component}-{index}"
     ports = {port: network.port(name, port) for port in (METRICS, P2P, *extra_ports)}
     peer_index = network.index_base + index
@@ -102,14 +111,20 @@ def make_role(component: str, index: int, network: Network, manifest_path: str, 
     announce = network.announce_host(name)
     if announce:
         args += ["--announce-host", announce]
+    exposure = exposure or PeerNetwork()
+    if exposure.expose == "ClientOnly":
+        args += ["--client-mode"]
+    public = network.public_address(name, index, exposure) if exposure.public else None
+    if public:
+        args += ["--public-address", public]
     if identity:
         args += ["--identity", network.identity_path(name)]
     args += extra_args
     if initial_peers:
         args += ["--initial-peers", *initial_peers]
     return Role(name=name, component=component, index=index, args=tuple(args), ports=ports,
-                resources=resources, placement=placement or Placement(), completes_run=completes_run,
-                backbone=backbone)
+                resources=resources, placement=placement or Placement(), exposure=exposure,
+                completes_run=completes_run, backbone=backbone)
 
 
 @dataclass(frozen=True)
@@ -135,19 +150,21 @@ class Layout:
         return cls(manifest, network, manifest_path, run_dir, backbone_component, maddrs)
 
     def role(self, component: str, index: int, resources: Resources, placement: Placement | None = None, *,
-             identity: bool = False, completes_run: bool = False, extra_args: tuple[str, ...] = ()) -> Role:
-        """`placement`: its role group's, merged over the spec-wide one."""
+             identity: bool = False, completes_run: bool = False, extra_args: tuple[str, ...] = (),
+             exposure: PeerNetwork | None = None) -> Role:
+        """`placement`: its role group's, merged over the spec-wide one; `exposure`, its group's."""
         name = f"{component}-{index}"
         peers = [m for i, m in enumerate(self.backbone_maddrs) if f"{self.backbone_component}-{i}" != name]
         peers += self.network.entry_points
         return make_role(component, index, self.network, self.manifest_path, self.run_dir, peers, resources,
                          placement=placed(self.manifest, placement), identity=identity,
                          backbone=component == self.backbone_component, completes_run=completes_run,
-                         extra_args=extra_args + access_args(self.manifest, self.network, name))
+                         extra_args=extra_args + access_args(self.manifest, self.network, name), exposure=exposure)
 
     def backbones(self) -> list[Role]:
-        return [self.role(self.backbone_component, i, BACKBONE_RESOURCES, self.manifest.spec.backbone.placement,
-                          identity=True)
+        backbone = self.manifest.spec.backbone
+        return [self.role(self.backbone_component, i, BACKBONE_RESOURCES, backbone.placement, identity=True,
+                          exposure=backbone.network)
                 for i in range(len(self.backbone_maddrs))]
 
     def with_access(self, roles: list[Role]) -> list[Role]:
@@ -238,18 +255,31 @@ def host_protocol(host: str) -> str:
         return f"/dns4/{host}"
 
 
+def public_backbone_maddrs(network: Network, roles: list[Role], peer_ids: dict[str, str]) -> list[str]:
+    """Where peers outside the cluster dial the backbone peers exposed with an address known
+    here (a publicHost, or a LoadBalancer's): not one that only the peer's own node knows."""
+    maddrs = []
+    for role in roles:
+        if role.backbone and role.exposure.public and role.name in peer_ids:
+            address = network.public_address(role.name, role.index, role.exposure)
+            if address and "$(" not in address:
+                host, port = address.rsplit(":", 1)
+                maddrs.append(f"{host_protocol(host)}/tcp/{port}/p2p/{peer_ids[role.name]}")
+    return maddrs
+
+
 def volunteer_info(manifest: Manifest, network: Network, relay_peer_ids: list[str],
-                   plan_signer: str | None = None) -> dict:
-    """What the token service hands a joining volunteer: the resource to contribute to, the
-    relays it bootstraps from (backbone peers are inside the cluster, out of its reach) and
-    whose averaging plan to follow."""
+                   plan_signer: str | None = None, backbones: Sequence[str] = ()) -> dict:
+    """What the token service hands a joining volunteer or lab: the resource to contribute to,
+    the peers it bootstraps from (the relays, and the `backbones` exposed outside the cluster;
+    the others are out of its reach) and whose averaging plan to follow."""
     relays = relay_maddrs(network, relay_peer_ids, public=True)
     document = manifest.model_dump(by_alias=True, mode="json", exclude_none=True, exclude={"status"})
     # the name, not the cluster's bookkeeping: a resourceVersion that moves with every status
     # write would change the token service's config hash, and so restart it, at every reconcile
     document["metadata"] = {"name": manifest.metadata.name}
     info = {"kind": manifest.kind, "name": manifest.metadata.name, "manifest": document,
-            "initialPeers": relays, "relays": relays}
+            "initialPeers": [*backbones, *relays], "relays": relays}
     if plan_signer:
         info["planSigner"] = plan_signer
     return info

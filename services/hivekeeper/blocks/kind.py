@@ -26,7 +26,7 @@ def block_roles(manifest: Manifest, network: Network, peer_ids: dict[str, str], 
     spec: BlockServerSpec = manifest.spec
     layout = Layout.of(manifest, network, peer_ids, manifest_path, run_dir, BACKBONE)
     roles = layout.backbones()
-    roles += [layout.role(SERVER, i, spec.servers.resources, spec.servers.placement)
+    roles += [layout.role(SERVER, i, spec.servers.resources, spec.servers.placement, exposure=spec.servers.network)
               for i in range(spec.servers.replicas)]
     if spec.balancer.enabled:
         roles.append(layout.role(BALANCER, 0, BACKBONE_RESOURCES, spec.balancer.placement))

@@ -25,7 +25,7 @@ def pool_roles(manifest: Manifest, network: Network, peer_ids: dict[str, str], m
     spec: ExpertPoolSpec = manifest.spec
     layout = Layout.of(manifest, network, peer_ids, manifest_path, run_dir, BACKBONE)
     roles = layout.backbones()
-    roles += [layout.role(SERVER, i, spec.servers.resources, spec.servers.placement)
+    roles += [layout.role(SERVER, i, spec.servers.resources, spec.servers.placement, exposure=spec.servers.network)
               for i in range(spec.servers.replicas)]
     roles += [layout.role(TRAINER, i, spec.trainers.resources, spec.trainers.placement, completes_run=i == 0)
               for i in range(spec.trainers.replicas)]

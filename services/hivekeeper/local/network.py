@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 from typing import Optional
 
+from hivekeeper.spec.network import PeerNetwork
 from hivekeeper.spec.volunteers import VolunteersSpec
 
 
@@ -52,6 +53,9 @@ class LocalNetwork:
 
     def announce_host(self, role_name: str) -> str | None:
         return None
+
+    def public_address(self, role_name: str, index: int, exposure: PeerNetwork) -> str | None:
+        return None  # one machine: every peer dials the others where they listen
 
     def gateway_address(self) -> str:
         return f"{self.listen_host}:{self.port('auth-0', 'grpc')}"

@@ -24,19 +24,17 @@ def common(parser: argparse.ArgumentParser) -> None:
 
 
 def peer_access(parser: argparse.ArgumentParser) -> None:
-    """How a DHT peer gets in where volunteers are admitted: through relays, with tokens."""
+    """How a DHT peer is reached from outside its cluster (a public address, relays, or not at
+    all) and gets in where volunteers are admitted (with tokens)."""
     parser.add_argument("--client-mode", action="store_true",
                         help="accept no inbound connections (a peer nobody can dial, not even through a relay)")
+    parser.add_argument("--public-address", default=None, metavar="HOST:PORT",
+                        help="where peers outside the cluster dial this peer (announced along with --announce-host)")
     parser.add_argument("--relay", nargs="*", default=[], metavar="MADDR",
                         help="circuit relays to be reachable through (a peer behind NAT)")
     parser.add_argument("--gateway", default=None, metavar="HOST:PORT",
                         help="the token service: sign every DHT request with a token from it")
     parser.add_argument("--invite", default=None, metavar="PATH", help="file with this peer's invite (with --gateway)")
-
-
-def relay(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--public-address", default=None, metavar="HOST:PORT",
-                        help="where volunteers outside dial this relay (announced along with --announce-host)")
 
 
 def token_service(parser: argparse.ArgumentParser) -> None:

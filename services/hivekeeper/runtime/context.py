@@ -112,7 +112,7 @@ class RoleContext(Generic[SpecT]):
         announce = args.announce_host
         announce_maddrs = [f"{host_protocol(announce)}/tcp/{args.p2p_port}"] if announce and args.p2p_port else None
         public = self.option("public_address")
-        if public:  # a relay: dialed from outside at the Service's address too
+        if public:  # dialed from outside the cluster at its public address too (a relay's, an exposed peer's)
             host, port = public.rsplit(":", 1)
             announce_maddrs = (announce_maddrs or [f"{host_protocol(args.host)}/tcp/{args.p2p_port}"]) + [
                 f"{host_protocol(host)}/tcp/{port}"]

@@ -13,6 +13,7 @@ from pydantic import Field, StrictBool, model_validator
 from hivekeeper.spec.base import CelRule, SpecModel
 from hivekeeper.spec.common import BackboneSpec, Resources
 from hivekeeper.spec.join import JOIN_DESCRIPTION, JoinSpec, check_join
+from hivekeeper.spec.network import PeerNetwork, check_networks, node_port_rule, not_client_only_rule
 from hivekeeper.spec.placement import Placement, check_placements
 from hivekeeper.spec.storage import ModelVolumeSpec
 from hivekeeper.spec.volunteers import VolunteersSpec, check_lab_roles, lab_roles_rule
@@ -90,6 +91,7 @@ class ServersSpec(SpecModel):
     resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"),
                                  description="each server pod's")
     placement: Placement = Field(default_factory=Placement)
+    network: PeerNetwork = Field(default_factory=PeerNetwork, description="how peers outside the cluster reach them")
 
 
 class BalancerSpec(SpecModel):
@@ -127,7 +129,9 @@ def _tiny(field: str) -> str:
 LAB_ROLES = ("backbone", "server")
 # what a joining BlockServer (spec.join) states itself: its servers, their hardware and place
 LAB_OWNED = ("join", "placement", "backbone", "servers.replicas", "servers.resources", "servers.placement",
-             "servers.device", "servers.torchThreads")
+             "servers.device", "servers.torchThreads", "servers.network")
+# groups whose peers others must be able to dial, and why
+DIALED = {"backbone": "every peer bootstraps from the backbone", "servers": "clients call the servers"}
 
 
 class BlockServerSpec(SpecModel):
@@ -146,6 +150,8 @@ class BlockServerSpec(SpecModel):
     lab_owned: ClassVar[tuple[str, ...]] = LAB_OWNED
     cel_rules = (
         lab_roles_rule(LAB_ROLES, "BlockServer"),
+        *(node_port_rule(group) for group in DIALED),
+        *(not_client_only_rule(group, why) for group, why in DIALED.items()),
         CelRule(f"has(self.model.checkpoint) || !self.client.enabled || "
                 f"(self.client.newTokens + size(bytes(self.client.prompt)) <= {_tiny('maxPositions')} && "
                 f"self.client.newTokens + size(bytes(self.client.prompt)) <= self.servers.maxSessionTokens)",
@@ -174,6 +180,8 @@ class BlockServerSpec(SpecModel):
             raise ValueError(f"servers.maxSessionTokens ({self.servers.max_session_tokens}) exceeds "
                              f"servers.cacheTokens ({self.servers.cache_tokens})")
         check_lab_roles(self.volunteers, LAB_ROLES, "BlockServer")
+        check_networks({"backbone": (self.backbone.network, self.backbone.replicas),
+                        "servers": (self.servers.network, self.servers.replicas)}, DIALED, self.volunteers.node_ports())
         check_placements(self)
         check_join(self, LAB_OWNED, "BlockServer")
         return self

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from hivekeeper.spec.base import SpecModel
+from hivekeeper.spec.network import PeerNetwork
 from hivekeeper.spec.placement import Placement
 from hivekeeper.spec.quantity import Quantity
 
@@ -23,3 +24,4 @@ class Resources(SpecModel):
 class BackboneSpec(SpecModel):
     replicas: int = Field(1, ge=1, description="DHT peers with stable identities that others bootstrap from")
     placement: Placement = Field(default_factory=Placement)
+    network: PeerNetwork = Field(default_factory=PeerNetwork, description="how peers outside the cluster reach them")

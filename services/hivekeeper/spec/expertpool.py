@@ -15,6 +15,7 @@ from pydantic import Field, StrictBool, model_validator
 from hivekeeper.spec.base import CelRule, SpecModel
 from hivekeeper.spec.common import BackboneSpec, Resources
 from hivekeeper.spec.join import JOIN_DESCRIPTION, JoinSpec, check_join
+from hivekeeper.spec.network import PeerNetwork, check_networks, node_port_rule, not_client_only_rule
 from hivekeeper.spec.placement import DNS_SUBDOMAIN, Placement, check_placements
 from hivekeeper.spec.storage import VolumeClaimSpec, check_claim, claim_rules
 from hivekeeper.spec.training import OptimizerSpec, StoppingSpec, TaskSpec
@@ -67,6 +68,7 @@ class ServerSpec(SpecModel):
     resources: Resources = Field(default_factory=lambda: Resources(cpu="1", memory="2Gi"),
                                  description="each server pod's")
     placement: Placement = Field(default_factory=Placement)
+    network: PeerNetwork = Field(default_factory=PeerNetwork, description="how peers outside the cluster reach them")
 
 
 class CheckpointClaimSpec(VolumeClaimSpec):
@@ -138,7 +140,9 @@ def _grid_size() -> str:
 LAB_ROLES = ("backbone", "server", "trainer")
 # what a joining ExpertPool (spec.join) states itself: its servers and trainers, their hardware and place
 LAB_OWNED = ("join", "placement", "backbone", "servers.replicas", "servers.resources", "servers.placement",
-             "trainers.replicas", "trainers.resources", "trainers.placement")
+             "servers.network", "trainers.replicas", "trainers.resources", "trainers.placement")
+# groups whose peers others must be able to dial, and why
+DIALED = {"backbone": "every peer bootstraps from the backbone", "servers": "clients call the servers"}
 
 
 class ExpertPoolSpec(SpecModel):
@@ -170,6 +174,8 @@ class ExpertPoolSpec(SpecModel):
 
     cel_rules = (
         lab_roles_rule(LAB_ROLES, "ExpertPool"),
+        *(node_port_rule(group) for group in DIALED),
+        *(not_client_only_rule(group, why) for group, why in DIALED.items()),
         CelRule("has(self.join) || self.trainers.replicas >= 1",
                 "a pool needs a trainer (only one that joins another may have none)", ".trainers.replicas"),
         CelRule("self.task.name == 'digits'", "ExpertPool trainers learn the digits task", ".task.name"),
@@ -211,6 +217,8 @@ class ExpertPoolSpec(SpecModel):
         if self.trainers.replicas == 0 and self.join is None:
             raise ValueError("trainers.replicas: a pool needs a trainer (only one that joins another may have none)")
         check_lab_roles(self.volunteers, LAB_ROLES, "ExpertPool")
+        check_networks({"backbone": (self.backbone.network, self.backbone.replicas),
+                        "servers": (self.servers.network, self.servers.replicas)}, DIALED, self.volunteers.node_ports())
         check_placements(self)
         check_join(self, LAB_OWNED, "ExpertPool")
         return self

@@ -12,6 +12,7 @@ from pydantic import Field, StrictBool, model_validator
 from hivekeeper.spec.base import CelRule, SpecModel
 from hivekeeper.spec.common import BackboneSpec, Resources
 from hivekeeper.spec.join import JOIN_DESCRIPTION, JoinSpec, check_join
+from hivekeeper.spec.network import PeerNetwork, check_networks, node_port_rule, not_client_only_rule
 from hivekeeper.spec.placement import DNS_SUBDOMAIN, Placement, check_placements
 from hivekeeper.spec.storage import VolumeClaimSpec, check_claim, claim_rules
 from hivekeeper.spec.training import OptimizerSpec, StoppingSpec, TaskSpec
@@ -44,6 +45,7 @@ class TrainerSpec(SpecModel):
     client_mode: StrictBool = Field(False, description="trainers cannot accept inbound connections")
     bandwidth: BandwidthLimits = Field(default_factory=BandwidthLimits)
     placement: Placement = Field(default_factory=Placement)
+    network: PeerNetwork = Field(default_factory=PeerNetwork, description="how peers outside the cluster reach them")
 
 
 class AuxiliarySpec(SpecModel):
@@ -52,6 +54,7 @@ class AuxiliarySpec(SpecModel):
                                  description="each auxiliary pod's")
     bandwidth: BandwidthLimits = Field(default_factory=BandwidthLimits)
     placement: Placement = Field(default_factory=Placement)
+    network: PeerNetwork = Field(default_factory=PeerNetwork, description="how peers outside the cluster reach them")
 
 
 class BalancerSpec(SpecModel):
@@ -234,7 +237,9 @@ class MonitorSpec(SpecModel):
 LAB_ROLES = ("backbone", "trainer", "auxiliary")
 # what a joining Swarm (spec.join) states itself: its peers, their hardware, place and reach
 LAB_OWNED = ("join", "placement", "backbone", "trainers.replicas", "trainers.resources", "trainers.placement",
-             "trainers.clientMode", "trainers.bandwidth", "auxiliary")
+             "trainers.clientMode", "trainers.bandwidth", "trainers.network", "auxiliary")
+# groups whose peers every other peer must be able to dial, and why
+DIALED = {"backbone": "every peer bootstraps from the backbone", "auxiliary": "auxiliary peers only aggregate"}
 
 
 class SwarmSpec(SpecModel):
@@ -273,6 +278,10 @@ class SwarmSpec(SpecModel):
                 "the balancer plans gradient averaging only (averaging.mode gradients)", ".balancer.enabled"),
         CelRule("!has(self.stopping.targetMetric) || self.monitor.enabled",
                 "needs monitor.enabled: the monitor evaluates held-out metrics", ".stopping.targetMetric"),
+        *(node_port_rule(group) for group in ("backbone", "trainers", "auxiliary")),
+        *(not_client_only_rule(group, why) for group, why in DIALED.items()),
+        CelRule("!self.trainers.clientMode || !(self.trainers.network.expose in ['NodePort', 'LoadBalancer', 'HostPort'])",
+                "a client-mode trainer accepts no connection: it announces no public address", ".trainers.clientMode"),
     )
 
     @model_validator(mode="after")
@@ -301,6 +310,13 @@ class SwarmSpec(SpecModel):
         if self.stopping.target_metric is not None and not self.monitor.enabled:
             raise ValueError("stopping.targetMetric needs monitor.enabled: the monitor evaluates held-out metrics")
         check_lab_roles(self.volunteers, LAB_ROLES, "Swarm")
+        check_networks({"backbone": (self.backbone.network, self.backbone.replicas),
+                        "trainers": (self.trainers.network, self.trainers.replicas),
+                        "auxiliary": (self.auxiliary.network, self.auxiliary.replicas)}, DIALED,
+                       self.volunteers.node_ports())
+        if self.trainers.client_mode and self.trainers.network.public:
+            raise ValueError("trainers.clientMode: a client-mode trainer accepts no connection: it announces no "
+                             "public address")
         check_placements(self)
         check_join(self, LAB_OWNED, "Swarm")
         return self

@@ -91,6 +91,13 @@ class VolunteersSpec(SpecModel):
                 "collides with a relay port (relayPort + i)", ".gatewayPort"),
     )
 
+    def node_ports(self) -> dict[str, range]:
+        """The node ports the door's Services take, by field (none unless enabled with NodePort)."""
+        if not self.enabled or self.service_type != "NodePort":
+            return {}
+        return {"volunteers.relayPort": range(self.relay_port, self.relay_port + self.relays),
+                "volunteers.gatewayPort": range(self.gateway_port, self.gateway_port + 1)}
+
     @model_validator(mode="after")
     def _someone_may_join(self) -> "VolunteersSpec":
         if self.enabled and not self.allowlist and not self.labs and self.allowlist_secret is None:

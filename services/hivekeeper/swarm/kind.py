@@ -34,9 +34,11 @@ def swarm_roles(manifest: Manifest, network: Network, peer_ids: dict[str, str], 
         return layout.role(component, index, resources, extra_args=follows, **kwargs)
 
     roles = layout.backbones()
-    roles += [role("trainer", i, spec.trainers.resources, placement=spec.trainers.placement)
+    roles += [role("trainer", i, spec.trainers.resources, placement=spec.trainers.placement,
+                   exposure=spec.trainers.network)
               for i in range(spec.trainers.replicas)]
-    roles += [role("auxiliary", i, spec.auxiliary.resources, placement=spec.auxiliary.placement)
+    roles += [role("auxiliary", i, spec.auxiliary.resources, placement=spec.auxiliary.placement,
+                   exposure=spec.auxiliary.network)
               for i in range(spec.auxiliary.replicas)]
     if spec.monitor.enabled:
         roles.append(role("monitor", 0, SERVICE_RESOURCES, placement=spec.monitor.placement, completes_run=True))
