@@ -1,8 +1,8 @@
-"""A Swarm in pods, from `kubectl apply` to `Succeeded`: live printer columns, the swarm read from
-outside the cluster through its exposed backbone and trainers (`network.expose: NodePort`),
-`kubectl scale`, a spec change that restarts only its role, the operator's pod deleted mid-run (it
-stops at SIGTERM, a new one takes over, nothing is duplicated), the run's final figures in the
-status, and the garbage collector taking every child with the Swarm."""
+"""A Swarm in pods, from `kubectl apply` to `Succeeded`: live printer columns, `kubectl scale`, a
+spec change that restarts only its role, the operator's pod deleted mid-run (it stops at SIGTERM,
+a new one takes over, nothing is duplicated), the run's final figures in the status, and the
+garbage collector taking every child with the Swarm. A Swarm whose backbone and trainers are
+exposed at node ports (`network.expose`), read from outside the cluster through them."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from e2e.support import (NAMESPACE, OPERATOR_NAMESPACE, REPO, Cluster, example, hivekeeper, logged_entry, node_ip,
-                         operator_pod, pod_ready, wait_for)
+from e2e.support import (NAMESPACE, OPERATOR_NAMESPACE, REPO, Cluster, applied, example, hivekeeper, logged_entry,
+                         node_ip, operator_pod, pod_ready, wait_for)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
@@ -29,15 +29,12 @@ BACKBONE_NODE_PORT, TRAINER_NODE_PORT = 31500, 31510  # trainer i: TRAINER_NODE_
 
 def swarm_manifest() -> dict[str, Any]:
     """The example as shipped, its peers' CPU requests cut to fit a 2-core node, no balancer (its
-    fixed 500m request would not fit beside three trainers), a smaller learning rate (the run
-    must outlast the checks made while it trains: at 0.003 it reached its target at step 46, in
-    about 4 minutes, hardly longer than they take), and its backbone and trainers exposed at
-    node ports, as a lab that pools its cluster with another's exposes them."""
+    fixed 500m request would not fit beside three trainers), and a smaller learning rate: the run
+    must outlast the checks made while it trains (at 0.003 it reached its target at step 46, in
+    about 4 minutes, hardly longer than they take)."""
     return example("swarm-digits.yaml", {"spec": {
         "optimizer": {"learningRate": 0.002},
-        "backbone": {"network": {"expose": "NodePort", "port": BACKBONE_NODE_PORT}},
-        "trainers": {"replicas": 2, "resources": SMALL,
-                     "network": {"expose": "NodePort", "port": TRAINER_NODE_PORT}},
+        "trainers": {"replicas": 2, "resources": SMALL},
         "auxiliary": {"replicas": 1, "resources": SMALL},
         "balancer": {"enabled": False},
     }})
@@ -82,15 +79,6 @@ def delete_operator_pod_and_watch_exit(cluster: Cluster) -> tuple[int | None, fl
     return (int(lines[-1]) if lines else None), took
 
 
-def read_from_outside(cluster: Cluster, backbone_id: str) -> dict[str, dict[str, Any]]:
-    """`hivekeeper status --swarm` run on the host, outside the node's network namespace: it
-    reaches the swarm through the backbone's node port alone. The peers' reports, by name."""
-    entry = f"/ip4/{node_ip(cluster)}/tcp/{BACKBONE_NODE_PORT}/p2p/{backbone_id}"
-    read = hivekeeper("status", "--swarm", NAME, "--initial-peers", entry, "--json", timeout=300)  # a DHT peer: torch
-    assert read.returncode == 0, read.stderr[-2000:]
-    return {report["name"]: report for report in json.loads(read.stdout)}
-
-
 def test_swarm_from_apply_to_succeeded(cluster: Cluster, release: str):
     figures: dict[str, Any] = {}
     samples: list[float] = []
@@ -112,20 +100,6 @@ def test_swarm_from_apply_to_succeeded(cluster: Cluster, release: str):
         columns = printed_columns(cluster)
         assert columns["PHASE"] == "Running" and int(columns["STEP"]) >= 1, columns
         assert float(columns["SAMPLES/S"]) > 0, columns
-
-        # From outside the cluster: each exposed peer announces its node's address at its own
-        # node port, beside its pod IP, and the swarm is read through the backbone's.
-        node = node_ip(cluster)
-        backbone_id = status()["initialPeers"][0].rsplit("/p2p/", 1)[1]
-        reports = wait_for(lambda: (r := read_from_outside(cluster, backbone_id)) and
-                           {"backbone-0", "trainer-0", "trainer-1"} <= set(r) and r, 400,
-                           "the backbone's and the trainers' reports, read through the node port")
-        assert any(m.startswith(f"/ip4/{node}/tcp/{BACKBONE_NODE_PORT}/") for m in reports["backbone-0"]["maddrs"])
-        for i in range(2):
-            maddrs = reports[f"trainer-{i}"]["maddrs"]
-            assert any(m.startswith(f"/ip4/{node}/tcp/{TRAINER_NODE_PORT + i}/") for m in maddrs), maddrs
-            assert any(m.startswith("/ip4/10.244.") for m in maddrs), maddrs  # the pod IP, for peers inside
-        assert not any(m.startswith(f"/ip4/{node}/") for m in reports.get("auxiliary-0", {}).get("maddrs", []))
 
         # kubectl scale goes through the scale subresource to the trainers.
         cluster.kubectl("scale", "swarm", NAME, "-n", NAMESPACE, "--replicas=3")
@@ -207,3 +181,45 @@ def test_a_diloco_swarm_takes_outer_steps_in_pods(cluster: Cluster, release: str
         raise
     finally:
         cluster.kubectl("delete", "swarm", name, "-n", NAMESPACE, "--wait=true", timeout=180)
+
+
+def exposed_manifest() -> dict[str, Any]:
+    """A Swarm that runs until it is deleted, its backbone and trainers exposed at node ports
+    as a lab that pools its cluster with another's exposes them; its auxiliary peer is not."""
+    return example("swarm-digits.yaml", {"metadata": {"name": "exposed"}, "spec": {
+        "backbone": {"network": {"expose": "NodePort", "port": BACKBONE_NODE_PORT}},
+        "trainers": {"replicas": 2, "resources": SMALL,
+                     "network": {"expose": "NodePort", "port": TRAINER_NODE_PORT}},
+        "auxiliary": {"replicas": 1, "resources": SMALL},
+        "balancer": {"enabled": False}, "monitor": {"enabled": False},
+        "stopping": {"targetMetric": None, "targetSteps": 100_000},
+    }})
+
+
+def read_from_outside(entry: str) -> dict[str, dict[str, Any]] | None:
+    """`hivekeeper status --swarm` run on the host, outside the node's network namespace: it
+    reaches the swarm through the backbone's node port alone. The peers' reports by name, or
+    None (what went wrong printed) while it cannot."""
+    read = hivekeeper("status", "--swarm", "exposed", "--initial-peers", entry, "--json", timeout=300)  # a DHT peer
+    if read.returncode != 0:
+        print(read.stderr[-1000:])
+        return None
+    return {report["name"]: report for report in json.loads(read.stdout)}
+
+
+def test_exposed_peers_are_reached_from_outside_the_cluster(cluster: Cluster, release: str):
+    """Each exposed peer announces its node's address at its own node port beside its pod IP
+    (peers inside keep the pod IP), and the swarm is read through the backbone's node port."""
+    node = node_ip(cluster)
+    with applied(cluster, exposed_manifest()):
+        peers = wait_for(lambda: cluster.status("swarm", "exposed").get("initialPeers"), 300, "the backbone's address")
+        entry = f"/ip4/{node}/tcp/{BACKBONE_NODE_PORT}/p2p/{peers[0].rsplit('/p2p/', 1)[1]}"
+        wanted = {"backbone-0", "trainer-0", "trainer-1"}
+        reports = wait_for(lambda: (r := read_from_outside(entry)) and wanted <= set(r) and r, 600,
+                           "every peer's report, read through the backbone's node port", interval=5)
+        assert any(m.startswith(f"/ip4/{node}/tcp/{BACKBONE_NODE_PORT}/") for m in reports["backbone-0"]["maddrs"])
+        for i in range(2):
+            maddrs = reports[f"trainer-{i}"]["maddrs"]
+            assert any(m.startswith(f"/ip4/{node}/tcp/{TRAINER_NODE_PORT + i}/") for m in maddrs), maddrs
+            assert any(not m.startswith(f"/ip4/{node}/") for m in maddrs), maddrs  # the pod IP, for peers inside
+        assert not any(m.startswith(f"/ip4/{node}/") for m in reports.get("auxiliary-0", {}).get("maddrs", []))
