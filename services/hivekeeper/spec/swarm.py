@@ -12,7 +12,7 @@ from pydantic import Field, StrictBool, model_validator
 from hivekeeper.spec.base import CelRule, SpecModel
 from hivekeeper.spec.common import BackboneSpec, Resources
 from hivekeeper.spec.join import JOIN_DESCRIPTION, JoinSpec, check_join
-from hivekeeper.spec.network import PeerNetwork, check_networks, node_port_rule, not_client_only_rule
+from hivekeeper.spec.network import PUBLIC, PeerNetwork, check_networks, node_port_rule, not_client_only_rule
 from hivekeeper.spec.placement import DNS_SUBDOMAIN, Placement, check_placements
 from hivekeeper.spec.storage import VolumeClaimSpec, check_claim, claim_rules
 from hivekeeper.spec.training import OptimizerSpec, StoppingSpec, TaskSpec
@@ -280,7 +280,7 @@ class SwarmSpec(SpecModel):
                 "needs monitor.enabled: the monitor evaluates held-out metrics", ".stopping.targetMetric"),
         *(node_port_rule(group) for group in ("backbone", "trainers", "auxiliary")),
         *(not_client_only_rule(group, why) for group, why in DIALED.items()),
-        CelRule("!self.trainers.clientMode || !(self.trainers.network.expose in ['NodePort', 'LoadBalancer', 'HostPort'])",
+        CelRule(f"!self.trainers.clientMode || !(self.trainers.network.expose in {list(PUBLIC)})",
                 "a client-mode trainer accepts no connection: it announces no public address", ".trainers.clientMode"),
     )
 

@@ -9,9 +9,9 @@ from typing import Literal, Optional, Sequence
 from pydantic import Field, StrictBool, model_validator
 
 from hivekeeper.spec.base import CelRule, SpecModel
+from hivekeeper.spec.network import NODE_PORTS
 from hivekeeper.spec.placement import Placement
 
-NODE_PORTS = (30000, 32767)  # Kubernetes' default NodePort range
 
 
 # What a lab's peers may run, by the kind's word for it: a Swarm's backbone, trainers and
