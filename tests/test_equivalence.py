@@ -27,9 +27,11 @@ closes each of those gaps, and the parameters are averaged on each gradient roun
 the next step checks that it took their state (or, where every member lost a part, that all
 skipped it alike; the next `RECOVERY_STEPS` steps may then miss members while they reload, and
 each is still checked as one SGD step of the members it has). On a loaded machine a trainer may
-also miss a group's matchmaking, and the swarm splits: once per run, the parts may step apart for
+also miss a group's matchmaking, and the swarm splits: the parts may then step apart for
 `RECOVERY_STEPS` steps, each still one SGD step of its members, and the step that joins them
-again must find the drifted replicas (below), so no drift goes unnoticed.
+again must find the drifted replicas (below), so no drift goes unnoticed. A loaded machine
+splits it more than once (CI saw steps 1 and 8): each split is checked alike, and at least half
+the steps must still hold every trainer.
 
 The replica check: every member gathers a fingerprint of its parameters with its round, and a
 member whose replica differs from the one most members hold is found out by the group
@@ -53,7 +55,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import write_manifest
+from conftest import print_run_logs, write_manifest
 from hivekeeper.local.runner import prepare_run
 from hivekeeper.local.supervisor import Supervisor
 from hivekeeper.spec import load_manifest
@@ -66,6 +68,9 @@ TOLERANCE = 1e-5
 # out), all of them reload, and the next steps may go on without some of them: this many at most.
 RECOVERY_STEPS = 6
 LEARNING_RATE = 0.5
+# 20 steps take 70-90 s beside four busy loops and 105-145 s in CI (beside the cluster tier); a
+# round whose all-reduce times out costs up to timeoutSeconds (60) more, and CI met a run past 240 s.
+RUN_SECONDS = 420
 
 
 def run_traced_collaboration(tmp_path: Path):
@@ -95,9 +100,11 @@ def run_traced_collaboration(tmp_path: Path):
     supervisor = Supervisor(traced, run_dir / "logs")
     try:
         supervisor.start(ready_first=lambda role: role.backbone)
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + RUN_SECONDS
         while not supervisor.poll():
-            assert time.monotonic() < deadline, "the collaboration did not reach its target steps in time"
+            if time.monotonic() > deadline:
+                print_run_logs(run_dir)
+                pytest.fail(f"the collaboration did not reach step {STEPS} in {RUN_SECONDS} s (its logs above)")
             time.sleep(0.5)
     finally:
         supervisor.stop()
@@ -172,7 +179,7 @@ def load_params(run_dir: Path, name: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.swarm
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(600)
 def test_every_collaborative_step_is_a_large_batch_sgd_step(tmp_path, no_leaked_p2pd):
     manifest, traces = run_traced_collaboration(tmp_path)
     run_dir = tmp_path / "run"
@@ -279,11 +286,11 @@ def test_every_collaborative_step_is_a_large_batch_sgd_step(tmp_path, no_leaked_
     last_complete = max(i for i, s in enumerate(steps) if s in complete)
     assert len(complete) >= STEPS // 2, f"only {len(complete)} steps after every trainer joined\n{report}"
     recovering_until = -1
-    split = None  # the step at which the swarm split, if it did
+    split = None  # the step at which the swarm last split, if it did
     for i, s in enumerate(steps[joined:last_complete + 1], start=joined):
-        if i > recovering_until and not trainer_ids <= s["members"] and split is None:
+        if i > recovering_until and not trainer_ids <= s["members"]:
             # A trainer missed the group's matchmaking (hivemind forks a late member off) and the
-            # swarm split: once, each part may step on its own for RECOVERY_STEPS steps; the first
+            # swarm split: each part may step on its own for RECOVERY_STEPS steps; the first
             # step that holds them all again must find the replicas that drifted (the spread
             # check holds for every step, on the members the round did not find apart).
             split = i

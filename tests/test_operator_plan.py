@@ -549,6 +549,7 @@ def test_an_expert_server_saves_where_the_operator_mounts_the_checkpoint_claim(c
 @pytest.mark.parametrize("section, change, restarted", [
     ("trainers", {"batchSize": 24}, {"trainer", "balancer"}),
     ("monitor", {"evalEverySteps": 7}, {"monitor"}),
+    ("stopping", {"targetSteps": 150}, {"monitor"}),  # a new target restarts no trainer
     ("auxiliary", {"bandwidth": {"uploadMbps": 50}}, {"auxiliary", "balancer"}),
     ("optimizer", {"learningRate": 0.01}, None),  # read by every component
 ])

@@ -79,6 +79,7 @@ RUNTIME = KindRuntime(
                  "balancer": "balancer", **ACCESS_STATUS_KEYS},
     section_readers={"backbone": (BACKBONE,), "trainers": ("trainer", "balancer"),  # the balancer caps by bandwidth
                      "auxiliary": ("auxiliary", "balancer"), "monitor": ("monitor",), "balancer": ("balancer",),
+                     "stopping": ("monitor",),  # the monitor alone decides when the run is done
                      **ACCESS_SECTION_READERS},
     stop_grace_seconds=lambda manifest: int(manifest.spec.averaging.timeout_seconds
                                             + manifest.spec.averaging.matchmaking_seconds + 30),
