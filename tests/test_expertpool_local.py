@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import interrupt_run, kill_leftover, parent_pid, wait_for, write_manifest
-from test_swarm_local import processes_of, role_pids, silent_dashboard_panels
+from conftest import interrupt_run, kill_leftover, wait_for, write_manifest
+from test_swarm_local import processes_of, role_pid, silent_dashboard_panels
 from test_swarm_local import role_status as status
 
 TARGET_ACCURACY = 0.9
@@ -37,8 +37,7 @@ SMALL = {"metadata": {"name": "moe-local"}, "spec": {
 
 def server_pid(run_dir: Path, index: int) -> int | None:
     """The server's main process (its forked workers have the same command line)."""
-    found = set(role_pids(run_dir, "expert-server", index))
-    return next((pid for pid in found if parent_pid(pid) not in found), None)
+    return role_pid(run_dir, "expert-server", index)
 
 
 @pytest.mark.swarm

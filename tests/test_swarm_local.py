@@ -91,16 +91,26 @@ def role_pids(run_dir: Path, role: str, index: int) -> list[int]:
     return pids
 
 
-def trainer_pids(run_dir: Path, index: int) -> list[int]:
-    return role_pids(run_dir, "trainer", index)
+def role_pid(run_dir: Path, role: str, index: int) -> int | None:
+    """The role's own process: the leader of its session (the supervisor starts each role in one
+    of its own). Its forked workers share its command line, and pids wrap (32768 here), so the
+    lowest pid is not always the role's: CI once killed a worker instead, and no restart came."""
+    leaders = []
+    for pid in role_pids(run_dir, role, index):
+        try:
+            if os.getsid(pid) == pid:
+                leaders.append(pid)
+        except OSError:
+            continue
+    return leaders[0] if leaders else None
 
 
 def crash_trainer(run_dir: Path, index: int) -> int:
     """SIGKILL trainer `index` of a run: a crash, not a clean exit. Returns the victim's pid."""
-    victim = trainer_pids(run_dir, index)
+    victim = role_pid(run_dir, "trainer", index)
     assert victim, f"trainer-{index} is running"
-    os.kill(victim[0], signal.SIGKILL)
-    return victim[0]
+    os.kill(victim, signal.SIGKILL)
+    return victim
 
 
 def processes_of(run_dir: Path) -> list[int]:
@@ -165,7 +175,7 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
         # must not end before the supervisor restarts the trainer): the restarted trainer-1 then has
         # to rejoin the plan and the swarm's reports.
         victim = crash_trainer(run_dir, 1)
-        wait_for(lambda: [pid for pid in trainer_pids(run_dir, 1) if pid != victim], 60, "trainer-1 restarted")
+        wait_for(lambda: (pid := role_pid(run_dir, "trainer", 1)) and pid != victim, 60, "trainer-1 restarted")
         # The balancer measured every averaging peer and published a plan the trainers follow.
         assert metric(text, "hivekeeper_upload_bytes_per_second") > 0  # the probe at join, then rounds
         averaging_peers = ("trainer-0", "trainer-1", "auxiliary-0")
