@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import descendants, wait_for
-from hivekeeper.local.forkserver import ForkServer
+from hivekeeper.local.forkserver import START_TIMEOUT, ForkServer
 from hivekeeper.local.supervisor import Supervisor
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server runs on Linux")
@@ -79,7 +79,9 @@ def test_a_bad_request_is_refused_and_the_server_serves_on(server, tmp_path):
     assert server.process.stdin is not None
     server.process.stdin.write(b'{"argv": "not a list"}\n')
     server.process.stdin.flush()
-    assert "bad request" in server._answers.get(timeout=30)["error"]
+    # the first answer comes once the server has imported the roles' modules (CI once took
+    # more than 30 s): it waits as long as spawn() does
+    assert "bad request" in server._answers.get(timeout=START_TIMEOUT)["error"]
     child = server.spawn(["validate", str(EXAMPLE)], tmp_path / "child.log", dict(os.environ))
     assert child.wait(30) == 0
 
