@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """CI's closing summary: how long each phase took (from the phases file `scripts/phases.sh`
-writes) and the slowest tests of each tier (from the JUnit XML pytest writes per tier).
+writes), how busy the machine's CPUs were meanwhile (from `sample_cpu`'s samples: near 100%, a
+phase waits for the CPU, and running more beside it only slows both; far below, it waits for
+something else), and the slowest tests of each tier (from the JUnit XML pytest writes per tier).
 
-    scripts/ci_report.py PHASES_FILE REPORTS_DIR [--slowest N]
+    scripts/ci_report.py PHASES_FILE REPORTS_DIR [--cpu SAMPLES_FILE] [--slowest N]
 """
 
 from __future__ import annotations
@@ -20,6 +22,25 @@ def phases(path: Path) -> list[tuple[str, float, float, int]]:
     return rows
 
 
+def cpu_samples(path: Path | None) -> list[tuple[float, int, int]]:
+    """(time, busy jiffies, total jiffies) of each sample, in time order; none without a file."""
+    rows = []
+    for line in path.read_text().splitlines() if path is not None and path.exists() else ():
+        fields = line.split("\t")
+        if len(fields) == 3:  # the last line may be cut by the kill
+            rows.append((float(fields[0]), int(fields[1]), int(fields[2])))
+    return rows
+
+
+def busy_share(samples: list[tuple[float, int, int]], start: float, end: float) -> float | None:
+    """The CPUs' busy share between the first sample at or after `start` and the last at or
+    before `end`; None when fewer than two samples fall in between."""
+    inside = [s for s in samples if start <= s[0] <= end]
+    if len(inside) < 2 or inside[-1][2] == inside[0][2]:
+        return None
+    return (inside[-1][1] - inside[0][1]) / (inside[-1][2] - inside[0][2])
+
+
 def slowest(report: Path, count: int) -> list[tuple[float, str, str]]:
     """(seconds, test id, outcome) of the slowest test cases: setup, call and teardown together."""
     cases = []
@@ -35,21 +56,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("phases", type=Path)
     parser.add_argument("reports", type=Path)
+    parser.add_argument("--cpu", type=Path, help="the samples of scripts/phases.sh's sample_cpu")
     parser.add_argument("--slowest", type=int, default=10)
     args = parser.parse_args()
     rows = phases(args.phases)
+    samples = cpu_samples(args.cpu)
     if rows:
         origin = min(start for _, start, _, _ in rows)
-        print(f"\n{'phase':<44} {'start':>8} {'took':>8}  status")
+        print(f"\n{'phase':<44} {'start':>8} {'took':>8} {'cpu':>5}  status")
         for name, start, end, code in sorted(rows, key=lambda row: row[1]):
             status = "ok" if code == 0 else f"exit {code}"
-            print(f"{name:<44} {_clock(start - origin):>8} {_clock(end - start):>8}  {status}")
+            print(f"{name:<44} {_clock(start - origin):>8} {_clock(end - start):>8} "
+                  f"{_share(busy_share(samples, start, end)):>5}  {status}")
         end = max(end for _, _, end, _ in rows)
-        print(f"{'total':<44} {'':>8} {_clock(end - origin):>8}")
+        print(f"{'total':<44} {'':>8} {_clock(end - origin):>8} {_share(busy_share(samples, origin, end)):>5}")
     for report in sorted(args.reports.glob("*.xml")) if args.reports.exists() else ():
         print(f"\nslowest tests of tier {report.stem} (setup, call and teardown):")
         for seconds, name, outcome in slowest(report, args.slowest):
             print(f"  {seconds:7.1f} s  {name}" + ("" if outcome == "passed" else f"  [{outcome}]"))
+
+
+def _share(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"
 
 
 def _clock(seconds: float) -> str:
