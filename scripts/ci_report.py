@@ -2,7 +2,8 @@
 """CI's closing summary: how long each phase took (from the phases file `scripts/phases.sh`
 writes), how busy the machine's CPUs were meanwhile (from `sample_cpu`'s samples: near 100%, a
 phase waits for the CPU, and running more beside it only slows both; far below, it waits for
-something else), and the slowest tests of each tier (from the JUnit XML pytest writes per tier).
+something else), and the slowest tests of each tier, with the CPU time each used (from the JUnit
+XML pytest writes per tier; tests/helpers/cpu_time.py records the CPU time).
 
     scripts/ci_report.py PHASES_FILE REPORTS_DIR [--cpu SAMPLES_FILE] [--slowest N]
 """
@@ -41,14 +42,16 @@ def busy_share(samples: list[tuple[float, int, int]], start: float, end: float) 
     return (inside[-1][1] - inside[0][1]) / (inside[-1][2] - inside[0][2])
 
 
-def slowest(report: Path, count: int) -> list[tuple[float, str, str]]:
-    """(seconds, test id, outcome) of the slowest test cases: setup, call and teardown together."""
+def slowest(report: Path, count: int) -> list[tuple[float, str, str, float | None]]:
+    """(seconds, test id, outcome, CPU seconds or None) of the slowest test cases: setup, call
+    and teardown together."""
     cases = []
     for case in ET.parse(report).getroot().iter("testcase"):
         outcome = "failed" if case.find("failure") is not None or case.find("error") is not None else (
             "skipped" if case.find("skipped") is not None else "passed")
         name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-        cases.append((float(case.get("time") or 0.0), name, outcome))
+        cpu = next((float(p.get("value")) for p in case.iter("property") if p.get("name") == "cpu_seconds"), None)
+        cases.append((float(case.get("time") or 0.0), name, outcome, cpu))
     return sorted(cases, reverse=True)[:count]
 
 
@@ -71,9 +74,10 @@ def main() -> None:
         end = max(end for _, _, end, _ in rows)
         print(f"{'total':<44} {'':>8} {_clock(end - origin):>8} {_share(busy_share(samples, origin, end)):>5}")
     for report in sorted(args.reports.glob("*.xml")) if args.reports.exists() else ():
-        print(f"\nslowest tests of tier {report.stem} (setup, call and teardown):")
-        for seconds, name, outcome in slowest(report, args.slowest):
-            print(f"  {seconds:7.1f} s  {name}" + ("" if outcome == "passed" else f"  [{outcome}]"))
+        print(f"\nslowest tests of tier {report.stem} (setup, call and teardown; their CPU time):")
+        for seconds, name, outcome, cpu in slowest(report, args.slowest):
+            used = "" if cpu is None else f"{cpu:7.1f} s cpu"
+            print(f"  {seconds:7.1f} s {used:>13}  {name}" + ("" if outcome == "passed" else f"  [{outcome}]"))
 
 
 def _share(share: float | None) -> str:

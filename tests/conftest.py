@@ -16,8 +16,9 @@ import pytest
 import yaml
 
 # The real-cluster tier's fixtures (tests/e2e/): a plugin, since a second conftest.py would
-# replace this one under the module name `conftest` that the tests import from.
-pytest_plugins = ["e2e.support"]
+# replace this one under the module name `conftest` that the tests import from. Each test's
+# CPU time goes to the JUnit report (helpers/cpu_time.py).
+pytest_plugins = ["e2e.support", "helpers.cpu_time"]
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"

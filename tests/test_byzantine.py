@@ -37,13 +37,19 @@ def _peer(manifest_path: str, scale: float, initial_peers: list[str], out: mp.Qu
             generator = torch.Generator().manual_seed(len(initial_peers))
             out.put(("ready", None))
             go.wait(2 * START_SECONDS)  # every peer is ready (or the test has failed and stops it)
+            rounds: list[str] = []  # each round this peer saw: epoch, outcome, group size (for a failure's message)
             while opt.local_epoch < steps and not stop.is_set():
                 indices = torch.randint(0, task.train_size, (16,), generator=generator).tolist()
                 loss = task.loss(model, task.train_batch(indices)) * scale
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=False)
-            out.put(("done", {"before": before, "after": task.evaluate(model)["loss"], "epoch": opt.local_epoch}))
+                last = getattr(opt, "last_round", None)
+                seen = last and f"{last['epoch']}:{last['outcome']}/{last['groupSize']}"
+                if seen and (not rounds or rounds[-1] != seen):
+                    rounds.append(seen)
+            out.put(("done", {"before": before, "after": task.evaluate(model)["loss"], "epoch": opt.local_epoch,
+                              "rounds": " ".join(rounds)}))
     except Exception as e:  # told to the test at once, instead of a silent queue
         out.put(("error", repr(e)))
         raise
@@ -97,7 +103,8 @@ def run_swarm(directory, aggregation: str, steps: int) -> dict[str, float]:
 @pytest.mark.parametrize("aggregation", ["mean", "centeredClip"])
 def test_centered_clip_keeps_descending_where_the_mean_climbs(tmp_path, no_leaked_p2pd, aggregation):
     loss = run_swarm(tmp_path / aggregation, aggregation, STEPS[aggregation])
-    print(f"{aggregation}: held-out loss before -> after {STEPS[aggregation]} steps: {loss['before']:.3f} -> {loss['after']:.3f}")
+    print(f"{aggregation}: held-out loss before -> after {STEPS[aggregation]} steps: {loss['before']:.3f} -> "
+          f"{loss['after']:.3f}; the first peer's rounds (epoch:outcome/group size): {loss['rounds']}")
     if aggregation == "mean":
         assert loss["after"] > loss["before"], loss  # the attacker steers the mean uphill
     else:
