@@ -60,6 +60,8 @@ CORE_RESOURCES: dict[str, dict[str, Any]] = {
     "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", namespaced=True, subresources={"status"}),
     "coordination.k8s.io/v1/leases": dict(kind="Lease", namespaced=True),
 }
+# How long a test waits for the emulator's loop to run one of its calls (see Emulator.call).
+CALL_TIMEOUT = 60.0
 SERVICE_MONITORS = {"monitoring.coreos.com/v1/servicemonitors": dict(kind="ServiceMonitor", namespaced=True)}
 
 _ABSENT = object()
@@ -417,13 +419,16 @@ class EmulatedCluster:
             self._ready.set()
 
     def call(self, fn: Any) -> Any:
-        """Run `fn()` in the emulator's loop (its state is not thread-safe) and return the result."""
+        """Run `fn()` in the emulator's loop (its state is not thread-safe) and return the result.
+        The loop shares the test process with the operator under test, and on two saturated
+        cores (the unit tier beside the cluster tier) it waited its turn over 10 s in CI: the
+        wait allowed is the tests' longest, so only a loop that is gone fails it."""
         assert self.loop is not None
 
         async def run() -> Any:
             return fn()
 
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(CALL_TIMEOUT)
 
     def object(self, resource: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         """The stored object, or None if it does not exist (or was deleted)."""

@@ -26,8 +26,10 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "swarm-digits.yaml"
 @pytest.fixture
 def server(tmp_path):
     """A fork server; whatever it started is killed at the end (a child a failed test left
-    waiting on its FIFO too)."""
-    started = ForkServer(["backbone"], tmp_path / "forkserver.log", {**os.environ, "PYTHONUNBUFFERED": "1"})
+    waiting on its FIFO too). It preloads no role's modules: what these tests check does not
+    depend on them, and torch's and hivemind's imports took each test 90 s beside the cluster
+    tier (the swarm tier's `hivekeeper up` tests fork roles from preloaded servers)."""
+    started = ForkServer([], tmp_path / "forkserver.log", {**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         yield started
     finally:
@@ -79,8 +81,8 @@ def test_a_bad_request_is_refused_and_the_server_serves_on(server, tmp_path):
     assert server.process.stdin is not None
     server.process.stdin.write(b'{"argv": "not a list"}\n')
     server.process.stdin.flush()
-    # the first answer comes once the server has imported the roles' modules (CI once took
-    # more than 30 s): it waits as long as spawn() does
+    # the first answer comes once the server has imported what it preloads: it waits as long
+    # as spawn() does
     assert "bad request" in server._answers.get(timeout=START_TIMEOUT)["error"]
     child = server.spawn(["validate", str(EXAMPLE)], tmp_path / "child.log", dict(os.environ))
     assert child.wait(30) == 0

@@ -28,8 +28,10 @@ CHILD_KINDS = "statefulsets,jobs,services,configmaps,secrets,poddisruptionbudget
 BACKBONE_NODE_PORT, TRAINER_NODE_PORT = 31500, 31510  # trainer i: TRAINER_NODE_PORT + i
 
 
-# The example's own target, which the test sets once its checks on the live run are done.
-FINAL_STOPPING = {"targetMetric": {"name": "accuracy", "value": 0.96}, "targetSteps": 200}
+# The target the test sets once its checks on the live run are done: the example's metric, at a
+# value the swarm is about to reach by then (about step 50), so that the run ends at the new
+# monitor's first evaluations rather than training on (the example's 0.96 took 45-150 s more).
+FINAL_STOPPING = {"targetMetric": {"name": "accuracy", "value": 0.9}, "targetSteps": 200}
 
 
 def swarm_manifest() -> dict[str, Any]:
@@ -153,7 +155,7 @@ def test_swarm_from_apply_to_succeeded(cluster: Cluster, release: str):
         assert report, f"the monitor logged no final report:\n{log[-2000:]}"
         assert final["globalStep"] == report["globalStep"], (final, report)
         assert final["evalMetrics"]["accuracy"] == pytest.approx(report["metrics"]["accuracy"]), (final, report)
-        assert report["metrics"]["accuracy"] >= 0.96 or report["globalStep"] >= 200
+        assert report["metrics"]["accuracy"] >= 0.9 or report["globalStep"] >= 200
         figures.update(globalStep=report["globalStep"], accuracy=report["metrics"]["accuracy"],
                        samplesPerSecondMedian=round(statistics.median(samples), 1) if samples else None)
         # The run is over: the peers were stopped.
