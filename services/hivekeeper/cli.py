@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -38,8 +39,18 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     return parser
 
 
+def end_at_sigterm() -> None:
+    """SIGTERM ends the process from now on, as its default action would. In a pod the role is
+    PID 1, which the kernel does not end on a signal it has no handler for: a pod deleted while
+    its role was still importing torch waited out its whole grace period (52 s for a Swarm's)
+    before the kubelet killed it. A role installs its clean-stop handler once it can stop."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if named_command(argv) == "run":
+        end_at_sigterm()
     if argv[:1] == ["--version"]:  # as argparse would print it, without importing every command
         print(f"hivekeeper {__version__}")
         return 0

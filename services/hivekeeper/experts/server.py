@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import threading
 import time
 from pathlib import Path
@@ -79,6 +80,7 @@ class ExpertServer:
         ctx, spec = self.ctx, self.ctx.spec
         torch.set_num_threads(cores_given(spec.servers.resources.cpu))
         ctx.start_endpoint()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # what it forks keeps the default handlers
         dht = ctx.make_dht()
         log.info("joined the DHT", extra={"fields": {"peer_id": str(dht.peer_id)}})
         resumed = self.load_experts()
