@@ -245,7 +245,10 @@ start_control_plane() {
         --kubelet-preferred-address-types InternalIP \
         --service-account-issuer "https://kubernetes.default.svc.$DOMAIN" \
         --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
-        --profiling=false --v 1
+        --profiling=false --v 1 --request-timeout 5m
+    # (--request-timeout: 60 s by default. A bare CI run started this cluster beside the swarm
+    # tier, right after importing the image, and the API server timed out creating the CRDs,
+    # node leases included, for two minutes: every test of the tier failed at helm install.)
     wait_until 60 "API server ready" kubectl_ get --raw /readyz
     start kube-controller-manager "$BIN/kube-controller-manager" \
         --kubeconfig "$STATE/controller-manager.kubeconfig" \

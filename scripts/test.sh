@@ -5,9 +5,9 @@
 #      process of their own;
 #   2. unit: everything that starts no swarm (specs, planners, the operator against the
 #      emulator, the chart, the docs), two pytest workers at once (pytest-xdist);
-#   3. swarm: real hivemind peers on loopback, one at a time; and netns: volunteers behind a
-#      NAT in network namespaces (they need root and skip without it), never while a cluster
-#      is up (below);
+#   3. swarm: real hivemind peers on loopback, one at a time; then netns: volunteers behind a
+#      NAT in network namespaces (they need root and skip without it), once the cluster tier
+#      is done;
 #   4. cluster: the real-cluster tier (tests/e2e): `scripts/cluster.sh up` starts a Kubernetes
 #      on this machine (waiting for binaries and an image that CI may still be building), the
 #      tests helm-install the operator and kubectl-apply every kind, and `scripts/cluster.sh
@@ -18,12 +18,10 @@
 # (in $HIVEKEEPER_CI_DIR, or a temporary folder). The
 # tiers' tests wait for events, never for fixed windows, so a busier machine makes them slower,
 # not different (the swarm tests most sensitive to timing pass with a busy loop on each core:
-# docs/explanation/testing.md). The cluster and the netns tier both change network namespaces
-# and iptables, so each holds the network (a lock) while it runs: the cluster from `up` to
-# `down`, once its binaries and image are built. Where they are still building when the
-# isolated tier ends (a bare machine: about 25 minutes of builds), the netns tier runs then,
-# beside the builds, instead of after the cluster tier; on a machine that has them, the cluster
-# takes the network first and the netns tier runs after it.
+# docs/explanation/testing.md). The netns tier waits for it: both change network namespaces and
+# iptables. (On a bare machine the netns tier could run while the cluster's binaries build,
+# but it takes the CPU the niced builds need: tried, the binaries took 48 minutes instead of
+# 27, and the cluster tier, the longest, started that much later.)
 # HIVEKEEPER_CLUSTER_BESIDE=0 runs the cluster tier last instead.
 # Every tier runs even when an earlier one failed; the exit code is the first failure's.
 # With $HIVEKEEPER_REPORTS, each tier writes its JUnit XML there (CI's slowest-tests summary),
@@ -63,9 +61,7 @@ cluster_tier() {
     echo "real-cluster tier skipped: it needs root and Go (scripts/cluster.sh)" >&2
     return 0
   fi
-  phase "cluster: builds" scripts/cluster.sh build || return 1
-  take_network
-  trap 'phase "cluster: down" scripts/cluster.sh down; release_network' EXIT
+  trap 'phase "cluster: down" scripts/cluster.sh down' EXIT
   phase "cluster: up" scripts/cluster.sh up || return 1
   wait_for_isolated
   # Each wait the e2e tests make prints how long it took: the report keeps it for every test,
@@ -85,15 +81,6 @@ wait_for_isolated() {
   done
 }
 
-# The network lock: a directory, made atomically by its holder (a file descriptor held by a
-# shell would be inherited by the cluster's daemons and outlive `down`).
-network_lock=$(mktemp -u /tmp/hivekeeper-network.XXXXXX)
-try_network() { mkdir "$network_lock" 2>/dev/null; }
-take_network() {
-  until try_network; do sleep 2; done
-}
-release_network() { rmdir "$network_lock" 2>/dev/null || true; }
-
 if [ "$#" -gt 0 ]; then
   run "$@"
   exit $?
@@ -106,15 +93,8 @@ if [ "$beside" = 1 ]; then
   cluster_tier >"$cluster_log" 2>&1 &
   cluster_job=$!
 fi
-netns_tier() { tier netns -m "not isolated and not e2e and netns"; }
 tier isolated -m "isolated"; codes+=($?)
 touch "$isolated_done"
-netns_done=0
-if [ "$beside" = 1 ] && try_network; then  # the cluster is still building: the network is free now
-  netns_tier; codes+=($?)
-  release_network
-  netns_done=1
-fi
 tier unit -n 2 -m "not isolated and not e2e and not swarm and not netns"; codes+=($?)
 tier swarm -m "not isolated and not e2e and swarm and not netns"; codes+=($?)
 if [ "$beside" = 1 ]; then
@@ -122,13 +102,11 @@ if [ "$beside" = 1 ]; then
   echo "=== tier cluster (ran beside the others) ===" >&2
   cat "$cluster_log" >&2
 fi
-if [ "$netns_done" = 0 ]; then
-  netns_tier; codes+=($?)
-fi
+# The namespace tests change network namespaces and iptables as the cluster does: never both.
+tier netns -m "not isolated and not e2e and netns"; codes+=($?)
 if [ "$beside" != 1 ]; then
   cluster_tier; codes+=($?)
 fi
-release_network
 rm -f "$isolated_done"
 for code in "${codes[@]}"; do
   [ "$code" -ne 0 ] && exit "$code"

@@ -28,9 +28,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hivekeeper_operator.network import CONFIG_DIR
-from hivekeeper_operator.readers import final_report_message
-
 TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
 
 _VARIABLE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
@@ -84,6 +81,8 @@ def supervise(executable: str, command: list[str], termination_log: str) -> int:
         return 128 + stopped_by[0]
     if code == 0 and run_dir is not None:
         try:
+            from hivekeeper_operator.readers import final_report_message
+
             Path(termination_log).write_text(final_report_message(json.loads((run_dir / "result.json").read_text())))
         except (OSError, ValueError) as e:  # no report: the status keeps the last live figures
             print(f"launch: no final report: {e}", file=sys.stderr)
@@ -91,6 +90,8 @@ def supervise(executable: str, command: list[str], termination_log: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hivekeeper_operator.network import CONFIG_DIR  # after the SIGTERM handler (below): pydantic
+
     parser = argparse.ArgumentParser(prog="python -m hivekeeper_operator.launch")
     parser.add_argument("--component", required=True, help="the pod's component: trainer, block-server, ...")
     parser.add_argument("--roles", default=f"{CONFIG_DIR}/roles.json")
@@ -121,4 +122,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # The pod's PID 1 until it execs the role, or for good where it supervises one: the kernel
+    # ends PID 1 on no signal it has no handler for, so SIGTERM is caught before anything is
+    # imported (as `hivekeeper run` does: hivekeeper.cli.end_at_sigterm). A Job's pod replaces
+    # it with one that passes the signal on, once its role runs.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     raise SystemExit(main())

@@ -125,8 +125,8 @@ class ExpertServer:
 
 def shutdown(runtime: ExpertRuntime, announcer: DHTHandlerThread, dht) -> None:
     """Stop serving, then announcing: the announcing thread may be blocked on a DHT process that
-    is already gone (`hivekeeper up` stops a role by signalling its whole process group), so it
-    is told to stop but not joined (it is a daemon)."""
+    is already gone (killed with the role's process group, or crashed), so it is told to stop but
+    not joined (it is a daemon)."""
     runtime.shutdown()
     announcer.stop.set()
     dht.shutdown()

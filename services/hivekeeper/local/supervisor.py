@@ -1,6 +1,7 @@
 """Supervised child processes for `hivekeeper up` and `join`: start each role, restart a crashed
-one with exponential backoff, and stop them all (SIGTERM, then SIGKILL of the whole process
-group, which takes any p2pd a child left behind) within a deadline.
+one with exponential backoff, and stop them all within a deadline: SIGTERM to each role, as the
+kubelet sends it to a pod's main process, so that the role shuts its averagers, DHT and p2pd
+down in order, then SIGKILL of its whole process group, which takes whatever it left behind.
 
 Roles are forked from a fork server that has imported their modules once (`forkserver`), on
 Linux; elsewhere, with HIVEKEEPER_FORKSERVER=0 or a command of the caller's own, each is a fresh
@@ -149,13 +150,16 @@ class Supervisor:
         return sum(child.restarts for child in self.children)
 
     def stop(self, timeout: float = STOP_GRACE_SECONDS) -> None:
-        """SIGTERM everyone, wait up to `timeout`, then SIGKILL the process groups and wait up to
-        KILLED_SECONDS for them all, and as long for the fork server: whatever the load and the
-        number of roles, everything is gone inside the 10 s a user waits after Ctrl-C."""
+        """SIGTERM every role, wait up to `timeout`, then SIGKILL the process groups and wait up
+        to KILLED_SECONDS for them all, and as long for the fork server: whatever the load and
+        the number of roles, everything is gone inside the 10 s a user waits after Ctrl-C. The
+        SIGTERM goes to the role alone: sent to its whole group, it ended the role's p2pd before
+        the role's averagers could leave it, which logged their shutdown as failures and held
+        the role 3 s in its DHT's grace period."""
         running = [c.process for c in self.children if c.process is not None and c.process.poll() is None]
         for process in running:
             try:
-                os.killpg(process.pid, signal.SIGTERM)
+                os.kill(process.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
         _wait_all(running, timeout)
