@@ -122,9 +122,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # The pod's PID 1 until it execs the role, or for good where it supervises one: the kernel
-    # ends PID 1 on no signal it has no handler for, so SIGTERM is caught before anything is
-    # imported (as `hivekeeper run` does: hivekeeper.cli.end_at_sigterm). A Job's pod replaces
-    # it with one that passes the signal on, once its role runs.
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    # The pod's PID 1 until it execs the role, or for good where it supervises one: SIGTERM is
+    # caught before the heavy imports, as `hivekeeper run` catches it (see end_at_sigterm). A
+    # Job's pod replaces the handler with one that passes the signal on, once its role runs.
+    from hivekeeper.cli import end_at_sigterm
+
+    end_at_sigterm()
     raise SystemExit(main())

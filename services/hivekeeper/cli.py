@@ -40,10 +40,11 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
 
 
 def end_at_sigterm() -> None:
-    """SIGTERM ends the process from now on, as its default action would. In a pod the role is
-    PID 1, which the kernel does not end on a signal it has no handler for: a pod deleted while
-    its role was still importing torch waited out its whole grace period (52 s for a Swarm's)
-    before the kubelet killed it. A role installs its clean-stop handler once it can stop."""
+    """SIGTERM ends the process from now on, as its default action would. In a pod the role (and
+    before it the pod's launcher) is PID 1, which the kernel does not end on a signal it has no
+    handler for: a pod deleted while its role was still importing torch waited out its whole
+    grace period (52 s for a Swarm's) before the kubelet killed it. A role installs its
+    clean-stop handler once it can stop."""
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
