@@ -27,8 +27,9 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "swarm-digits.yaml"
 def server(tmp_path):
     """A fork server; whatever it started is killed at the end (a child a failed test left
     waiting on its FIFO too). It preloads no role's modules: what these tests check does not
-    depend on them, and torch's and hivemind's imports took each test 90 s beside the cluster
-    tier (the swarm tier's `hivekeeper up` tests fork roles from preloaded servers)."""
+    depend on them, and with them each test took 86-106 s (11-15 s of CPU) in a slow CI run
+    beside the cluster tier (the swarm tier's `hivekeeper up` tests fork roles from preloaded
+    servers)."""
     started = ForkServer([], tmp_path / "forkserver.log", {**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         yield started

@@ -30,7 +30,7 @@ BACKBONE_NODE_PORT, TRAINER_NODE_PORT = 31500, 31510  # trainer i: TRAINER_NODE_
 
 # The target the test sets once its checks on the live run are done: the example's metric, at a
 # value the swarm is about to reach by then (about step 50), so that the run ends at the new
-# monitor's first evaluations rather than training on (the example's 0.96 took 45-150 s more).
+# monitor's first evaluations rather than training on (the example's 0.96 took 45 s more, idle).
 FINAL_STOPPING = {"targetMetric": {"name": "accuracy", "value": 0.9}, "targetSteps": 200}
 
 

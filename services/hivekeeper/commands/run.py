@@ -5,8 +5,8 @@ starts dies with it (`hivekeeper.runtime.lifeline`).
 
 A role that returns has shut its DHT, p2pd and averagers down and closed its files: the process
 then exits at once, skipping the interpreter's teardown of torch and hivemind, which nothing
-needs and which took 2 s idle and over 10 s on a loaded 2-core host (a pod's stop, and every
-local run's, waited for it). A role that raises ends as any Python program does."""
+needs and which took a trainer 2 s on an idle host (the fork server's like teardown took over
+10 s on a loaded one); a pod's stop, and every local run's, waited for it. A role that raises ends as any Python program does."""
 
 from __future__ import annotations
 
