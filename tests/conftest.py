@@ -77,11 +77,37 @@ def interrupt_run(runner) -> dict[str, Any]:
     return json.loads(out)
 
 
-def print_run_logs(run_dir: Path, *extra: Path, tail: int = 2000) -> None:
+def print_run_logs(run_dir: Path, *extra: Path, tail: int = 4000) -> None:
     """The end of each log of a local run (and of `extra` files): pytest shows what a test
-    printed when it fails, so a failed run explains itself."""
+    printed when it fails, so a failed run explains itself. Every process of the run still up
+    first writes its threads' stacks to its log (SIGUSR1: commands.run), so a role that hangs
+    shows where."""
+    signalled = False
+    for pid in run_processes(run_dir):
+        try:
+            os.kill(pid, signal.SIGUSR1)
+            signalled = True
+        except OSError:
+            pass
+    if signalled:
+        time.sleep(1.0)
     for path in [*extra, *sorted((run_dir / "logs").glob("*.log"))]:
         print(f"--- {path.name}:", path.read_text(errors="replace")[-tail:] if path.exists() else "(none)")
+
+
+def run_processes(run_dir: Path) -> list[int]:
+    """The roles of a local run and what they forked: processes whose command line names the
+    run's folder (not its runner, `hivekeeper up`, nor its fork server)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                words = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if str(run_dir).encode() in b" ".join(words) and b"run" in words and b"up" not in words:
+                found.append(int(entry.name))
+    return found
 
 
 def kill_leftover(runner) -> None:

@@ -135,3 +135,45 @@ def test_a_dead_server_refuses_clearly_and_the_supervisor_starts_another(tmp_pat
     assert child.wait(60) == 0  # the new server serves
     supervisor.stop()  # gives a server 2 s after its stdin closes, then kills it: gone either way
     assert second.process.poll() is not None and not second.alive
+
+
+def _child_gets_hivemind_locks(renew: bool) -> int:
+    """Forks a child that takes hivemind's process-shared locks (after renewing them, or not)
+    while this process holds them; its exit code: 0 if it got them all within 5 s, 1 if not."""
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+    from hivekeeper.local.forkserver import renew_shared_locks
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            if renew:
+                renew_shared_locks()
+            locks = [MPFuture._initialization_lock, MPFuture._update_lock, SharedBytes._lock,
+                     _AsyncContextWrapper.EXECUTOR_LOCK]
+            code = 0 if all(lock.acquire(timeout=5) for lock in locks) else 1
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.mark.isolated  # forks the test process after importing hivemind
+def test_a_child_does_not_wait_on_locks_a_sibling_holds():
+    """hivemind's locks are semaphores in shared memory, made at import: every child of the
+    server shares the server's. Held by one role (killed while it held them, it holds them for
+    good), they stopped the next DHT process of every other role. A child makes its own."""
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+    held = [MPFuture._initialization_lock, MPFuture._update_lock, SharedBytes._lock,
+            _AsyncContextWrapper.EXECUTOR_LOCK]
+    for lock in held:
+        assert lock.acquire(timeout=5)  # this process plays the sibling that holds them
+    try:
+        assert _child_gets_hivemind_locks(renew=False) == 1  # the hazard: shared, and held
+        assert _child_gets_hivemind_locks(renew=True) == 0
+    finally:
+        for lock in held:
+            lock.release()

@@ -191,5 +191,5 @@ def test_killed_roles_and_runner_leave_nothing(kind, tmp_path, no_leaked_p2pd):
         assert not left, f"runner killed: still running\n{describe(left)}"
         assert not processes_of(run.run_dir)
     finally:
+        print_run_logs(run.run_dir, run.log)  # before the clean-up: a role that hangs writes where it waits
         run.clean_up()
-        print_run_logs(run.run_dir, run.log)

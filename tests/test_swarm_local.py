@@ -227,8 +227,8 @@ def test_up_trains_serves_metrics_and_survives_a_crash(tmp_path, no_leaked_p2pd)
         out, err = runner.communicate(timeout=60)
         stopped_in = time.monotonic() - began
     finally:
+        print_run_logs(run_dir)  # before the kill: a role that hangs writes where it waits
         kill_leftover(runner)
-        print_run_logs(run_dir)
     assert runner.returncode == 130, err[-3000:]
     # How long the stop took is printed, not asserted: the supervisor's part is bounded by
     # construction (STOP_GRACE_SECONDS of grace, then KILLED_SECONDS for the killed roles and as

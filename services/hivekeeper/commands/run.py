@@ -6,15 +6,22 @@ starts dies with it (`hivekeeper.runtime.lifeline`).
 A role that returns has shut its DHT, p2pd and averagers down and closed its files: the process
 then exits at once, skipping the interpreter's teardown of torch and hivemind, which nothing
 needs and which took a trainer 2 s on an idle host (the fork server's like teardown took over
-10 s on a loaded one); a pod's stop, and every local run's, waited for it. A role that raises ends as any Python program does."""
+10 s on a loaded one); a pod's stop, and every local run's, waited for it. A role that raises ends as any Python program does.
+
+A role, and every process it forks, writes the stack of each of its threads to its log on
+SIGUSR1 (`kill -USR1 PID`): what a process that hangs waits for, read without stopping it.
+Python's faulthandler writes it from the signal handler itself, so a process whose every thread
+is blocked on a lock still answers."""
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import faulthandler
 import importlib
 import logging
 import os
+import signal
 import sys
 
 from hivekeeper.kinds import all_roles
@@ -34,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_role(args: argparse.Namespace) -> int:
     lifeline.install()  # before the role forks anything; in role processes only
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # inherited by what the role forks
     code = int(importlib.import_module(args.role_module).run(args) or 0)
     atexit._run_exitfuncs()  # what the role's libraries registered (multiprocessing's, ours) still runs
     logging.shutdown()

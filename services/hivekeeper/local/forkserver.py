@@ -23,7 +23,15 @@ interpreter exit (threads joined, atexit handlers run). The server's own command
 
 What a module reads from the environment when it is imported, it reads from the server's: the
 supervisor starts the server with the environment every child gets (all but the supervisor's
-pid, lifeline.SUPERVISOR_ENV, which names the server to its children)."""
+pid, lifeline.SUPERVISOR_ENV, which names the server to its children).
+
+hivemind makes process-shared locks when it is imported (multiprocessing semaphores in shared
+memory, which a fork shares rather than copies): MPFuture's, SharedBytes' and its asyncio
+executor's. A role that imported hivemind itself shares them only with the processes it forks,
+which die with it. Forked from one server, every role of a run would share them, and a role
+killed while it held one (a crash, a test's SIGKILL) would leave it held for all the others:
+their next DHT process hung at start-up, waiting on it forever. So each child makes its own
+(`renew_shared_locks`), as a fresh interpreter would have."""
 
 from __future__ import annotations
 
@@ -262,6 +270,7 @@ def become(request: dict[str, Any]) -> int:
     set_command_line([sys.executable, "-m", "hivekeeper", *argv])
     sys.argv = ["hivekeeper", *argv]
     reseed()
+    renew_shared_locks()
     from hivekeeper.cli import main
 
     return main(argv)
@@ -273,6 +282,19 @@ def reseed() -> None:
         sys.modules["numpy"].random.seed()
     if "torch" in sys.modules:
         sys.modules["torch"].seed()
+
+
+def renew_shared_locks() -> None:
+    """Gives this process its own copies of the process-shared locks hivemind made at import
+    (in the server, before the fork): the ones it shares with the server's other children."""
+    mpfuture = sys.modules.get("hivemind.utils.mpfuture")
+    if mpfuture is not None:
+        mpfuture.MPFuture.reset_backend()  # MPFuture's two locks and SharedBytes'
+    hivemind_asyncio = sys.modules.get("hivemind.utils.asyncio")
+    if hivemind_asyncio is not None:
+        import multiprocessing
+
+        hivemind_asyncio._AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
 
 
 def set_command_line(words: Sequence[str]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -184,10 +186,21 @@ def _start_dht(dht: Any, timeout: float) -> None:
         dht.run_in_background(await_ready=True, timeout=timeout)
     except TimeoutError:
         state = _process_state(dht.pid)
+        _dump_stacks(dht.pid)
         dht.kill()
         dht.join(5)
         raise RuntimeError(f"the DHT process did not finish its bootstrap in {timeout:.0f}s ({state}); "
                            "it was killed") from None
+
+
+def _dump_stacks(pid: int | None) -> None:
+    """Asks a forked process of a role for its threads' stacks (commands.run registers the
+    handler, which the fork inherits: they go to the role's log) and gives it a moment."""
+    try:
+        os.kill(pid, signal.SIGUSR1)
+        time.sleep(1.0)
+    except (OSError, TypeError):
+        pass
 
 
 def _process_state(pid: int | None) -> str:
