@@ -12,15 +12,16 @@ phase() {
   return "$code"
 }
 
-# sample_cpu FILE: appends, every 5 s until killed, the time (epoch seconds), the busy and the
-# total jiffies of all CPUs (from /proc/stat), tab-separated; ci_report.py turns them into each
-# phase's CPU use (is a phase bound by the CPU, or waiting?).
+# sample_cpu FILE: appends, every 5 s until killed, the time (epoch seconds), the busy, total,
+# I/O-wait and stolen jiffies of all CPUs (from /proc/stat), tab-separated; ci_report.py turns
+# them into each phase's CPU use (is a phase bound by the CPU, or waiting?), and tells a machine
+# whose hypervisor takes its CPUs (steal) or whose disk holds it up (I/O wait) from a busy one.
 sample_cpu() {
   local file=$1 cpu user nice system idle iowait irq softirq steal rest
   while :; do
     read -r cpu user nice system idle iowait irq softirq steal rest </proc/stat
-    printf '%s\t%s\t%s\n' "$EPOCHREALTIME" "$((user + nice + system + irq + softirq + steal))" \
-      "$((user + nice + system + idle + iowait + irq + softirq + steal))" >>"$file"
+    printf '%s\t%s\t%s\t%s\t%s\n' "$EPOCHREALTIME" "$((user + nice + system + irq + softirq + steal))" \
+      "$((user + nice + system + idle + iowait + irq + softirq + steal))" "$iowait" "$steal" >>"$file"
     sleep 5
   done
 }

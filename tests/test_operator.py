@@ -37,7 +37,10 @@ SWARMS = "hivekeeper.dev/v1alpha1/swarms"
 STS = "apps/v1/statefulsets"
 JOBS = "batch/v1/jobs"
 CHILD_RESOURCES = ["v1/secrets", "v1/configmaps", "v1/services", STS, JOBS, "policy/v1/poddisruptionbudgets"]
-WAIT = 30.0
+# The longest a test waits for the operator (an idle 2-core machine: a few seconds). CI's
+# machine is at times ten times slower (a waiting of 0.6 s here took 6.2 s there), and a wait
+# costs only what the condition takes to come true.
+WAIT = 120.0
 
 pytestmark = pytest.mark.timeout(180)
 

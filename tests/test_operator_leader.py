@@ -41,7 +41,7 @@ from test_operator import (  # noqa: E402,F401  (fixtures)
 pytestmark = pytest.mark.timeout(180)
 LEASES = "coordination.k8s.io/v1/leases"
 LEASE = "hivekeeper-operator"
-TIMING = dict(lease_duration=4.0, renew_deadline=3.0, retry_period=0.3)
+TIMING = dict(lease_duration=10.0, renew_deadline=8.0, retry_period=0.3)
 
 
 @pytest.fixture
@@ -107,7 +107,7 @@ def test_one_replica_leads_and_the_other_takes_over_when_it_stops(cluster, clien
     wait_for(lambda: second.leadership.leading, what="the second replica leading")
     spec = lease(cluster)
     assert spec["holderIdentity"] == "second" and spec["leaseTransitions"] == 1
-    assert spec["leaseDurationSeconds"] == 4
+    assert spec["leaseDurationSeconds"] == TIMING["lease_duration"]
 
     # The new leader reconciles what is applied now, and leaves the first one's children as they are.
     apply_swarm(client, example(changes={"metadata": {"name": "later"}}))
@@ -166,7 +166,7 @@ def test_the_operator_process_stands_by_leads_and_exits_when_it_loses_the_lease(
             [sys.executable, "-m", "hivekeeper_operator", "--kubeconfig", str(cluster.kubeconfig),
              "--metrics-port", str(port), "--resync-seconds", "0.2", "--image", "hivekeeper:test",
              "--leader-elect", "--leader-elect-namespace", NS, "--leader-elect-lease", LEASE,
-             "--leader-elect-lease-duration", "4", "--leader-elect-renew-deadline", "3",
+             "--leader-elect-lease-duration", "10", "--leader-elect-renew-deadline", "8",
              "--leader-elect-retry-period", "0.3"],
             cwd=REPO, env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}, stdout=log,
             stderr=subprocess.STDOUT)

@@ -196,7 +196,7 @@ class Cluster:
     def reports(self) -> list[dict[str, Any]]:
         """Every peer's report as the swarm's DHT has it, read from inside the cluster."""
         done = self.lab.run(self.lab.cluster, [sys.executable, "-m", "hivekeeper", "status", str(self.run_dir),
-                                               "--swarm", NAME, "--json"], check=False, timeout=60)
+                                               "--swarm", NAME, "--json"], check=False, timeout=180)
         return json.loads(done.stdout) if done.returncode == 0 else []
 
     def relay_groups(self) -> set[int]:
