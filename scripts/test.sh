@@ -5,25 +5,27 @@
 #      process of their own;
 #   2. unit: everything that starts no swarm (specs, planners, the operator against the
 #      emulator, the chart, the docs), two pytest workers at once (pytest-xdist);
-#   3. swarm: real hivemind peers on loopback, one at a time; and netns: volunteers behind a
+#   3. swarm: real hivemind peers on loopback, one at a time; then netns: volunteers behind a
 #      NAT in network namespaces (they need root and skip without it), once the cluster tier
-#      is done, beside the swarm tier;
+#      is done;
 #   4. cluster: the real-cluster tier (tests/e2e): `scripts/cluster.sh up` starts a Kubernetes
 #      on this machine (waiting for binaries and an image that CI may still be building), the
 #      tests helm-install the operator and kubectl-apply every kind, and `scripts/cluster.sh
 #      down` removes it all again. Needs root and Go; skipped without them, or with
 #      HIVEKEEPER_E2E=0.
 # The cluster tier runs beside the unit and swarm tiers: `cluster.sh up` starts at once, its
-# tests once the isolated tier is done, and the netns tier follows it in the same background
-# job (in a warm CI run the swarm tier ended 14 minutes after the cluster tier, and the netns
-# tier waited for both); their output goes to a log that is printed when they end (in
-# $HIVEKEEPER_CI_DIR, or a temporary folder). The
+# tests once the isolated tier is done; its output goes to a log that is printed when it ends
+# (in $HIVEKEEPER_CI_DIR, or a temporary folder). The
 # tiers' tests wait for events, never for fixed windows, so a busier machine makes them slower,
 # not different (the swarm tests most sensitive to timing pass with a busy loop on each core:
-# docs/explanation/testing.md). The netns tier waits for the cluster tier: both change network
-# namespaces and iptables. (On a bare machine the netns tier could run while the cluster's binaries build,
+# docs/explanation/testing.md). The netns tier waits for it: both change network namespaces and
+# iptables. (On a bare machine the netns tier could run while the cluster's binaries build,
 # but it takes the CPU the niced builds need: tried, the binaries took 48 minutes instead of
 # 27, and the cluster tier, the longest, started that much later.)
+# (Tried too, in a warm run of 67465ff: the netns tier right after the cluster tier, beside the
+# swarm tier. At 98% CPU the two slowed each other, to 29:07 and 38:47, and the run took 59:14;
+# the run of 7fcf9d8 before it, one tier after the other, took 21:11 and 25:02, and 61:18 in
+# all, with a reproduction of mine beside its last 25 minutes. Less work helps, not overlap.)
 # HIVEKEEPER_CLUSTER_BESIDE=0 runs the cluster tier last instead.
 # Every tier runs even when an earlier one failed; the exit code is the first failure's.
 # With $HIVEKEEPER_REPORTS, each tier writes its JUnit XML there (CI's slowest-tests summary),
@@ -89,25 +91,10 @@ if [ "$#" -gt 0 ]; then
 fi
 codes=()
 beside=${HIVEKEEPER_CLUSTER_BESIDE:-1}
-netns_tier() {
-  tier netns -m "not isolated and not e2e and netns"
-}
-
-# Beside the others: the cluster tier, then, once its cluster is down, the netns tier (both
-# change network namespaces and iptables: never both at once). The first failure's code.
-cluster_then_netns() {
-  local cluster_code=0 netns_code=0
-  (cluster_tier) || cluster_code=$?  # a subshell: its EXIT trap takes the cluster down
-  wait_for_isolated  # already over, unless the cluster tier was skipped
-  netns_tier || netns_code=$?
-  [ "$cluster_code" -ne 0 ] && return "$cluster_code"
-  return "$netns_code"
-}
-
 if [ "$beside" = 1 ]; then
   cluster_log=${HIVEKEEPER_CI_DIR:-$(mktemp -d /tmp/hivekeeper-test.XXXXXX)}/cluster-tier.log
-  echo "=== tiers cluster and netns, beside the others: their output goes to $cluster_log ===" >&2
-  cluster_then_netns >"$cluster_log" 2>&1 &
+  echo "=== tier cluster, beside the others: its output goes to $cluster_log ===" >&2
+  cluster_tier >"$cluster_log" 2>&1 &
   cluster_job=$!
 fi
 tier isolated -m "isolated"; codes+=($?)
@@ -116,10 +103,12 @@ tier unit -n 2 -m "not isolated and not e2e and not swarm and not netns"; codes+
 tier swarm -m "not isolated and not e2e and swarm and not netns"; codes+=($?)
 if [ "$beside" = 1 ]; then
   wait "$cluster_job"; codes+=($?)
-  echo "=== tiers cluster and netns (ran beside the others) ===" >&2
+  echo "=== tier cluster (ran beside the others) ===" >&2
   cat "$cluster_log" >&2
-else
-  netns_tier; codes+=($?)
+fi
+# The namespace tests change network namespaces and iptables as the cluster does: never both.
+tier netns -m "not isolated and not e2e and netns"; codes+=($?)
+if [ "$beside" != 1 ]; then
   cluster_tier; codes+=($?)
 fi
 rm -f "$isolated_done"

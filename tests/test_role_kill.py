@@ -182,7 +182,7 @@ def test_killed_roles_and_runner_leave_nothing(kind, tmp_path, no_leaked_p2pd):
     base, changes, roles = kind()
     run = Run(tmp_path, base, changes)
     try:
-        wait_for(lambda: ports(run.run_dir), 60, "the run laid out")
+        wait_for(lambda: ports(run.run_dir), READY_SECONDS, "the run laid out")
         assert set(ports(run.run_dir)) == set(roles), "every role of the kind is killed"
         left_by_role = run.kill_roles(roles)
         assert not left_by_role, "roles killed: still running\n" + "\n".join(

@@ -206,9 +206,16 @@ def swarm_key(cluster: Cluster, name: str, directory: Path) -> Path:
     return path
 
 
-def hivekeeper(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hivekeeper", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
+def hivekeeper(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`hivekeeper ARGS` run to its end; one still running after `timeout` s (a hang guard: it
+    took over 120 s once beside the swarm tier) fails with what it wrote meanwhile."""
+    try:
+        return subprocess.run([sys.executable, "-m", "hivekeeper", *args], capture_output=True, text=True,
+                              timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired as e:
+        written = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise AssertionError(f"hivekeeper {args[0]} still running after {timeout:.0f} s; "
+                             f"it wrote: {written[-3000:]}") from None
 
 
 @contextmanager
