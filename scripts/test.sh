@@ -25,7 +25,7 @@
 # (Tried too, in a warm run of 67465ff: the netns tier right after the cluster tier, beside the
 # swarm tier. At 98% CPU the two slowed each other, to 29:07 and 38:47, and the run took 59:14;
 # the run of 7fcf9d8 before it, one tier after the other, took 21:11 and 25:02, and 61:18 in
-# all, with a reproduction of mine beside its last 25 minutes. Less work helps, not overlap.)
+# all, with a hang reproduction beside its last 25 minutes. Less work helps, not overlap.)
 # HIVEKEEPER_CLUSTER_BESIDE=0 runs the cluster tier last instead.
 # Every tier runs even when an earlier one failed; the exit code is the first failure's.
 # With $HIVEKEEPER_REPORTS, each tier writes its JUnit XML there (CI's slowest-tests summary),

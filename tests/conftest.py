@@ -95,19 +95,30 @@ def print_run_logs(run_dir: Path, *extra: Path, tail: int = 4000) -> None:
         print(f"--- {path.name}:", path.read_text(errors="replace")[-tail:] if path.exists() else "(none)")
 
 
-def run_processes(run_dir: Path) -> list[int]:
-    """The roles of a local run and what they forked: processes whose command line names the
-    run's folder (not its runner, `hivekeeper up`, nor its fork server)."""
+def command_words(pid: int) -> list[bytes]:
+    """A process's command line, word by word ([] once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def processes_of(run_dir: Path) -> list[int]:
+    """PIDs of the processes of a local run but its runner: those whose command line names the
+    run's folder (its roles, what they forked, its Prometheus)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                words = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if str(run_dir).encode() in b" ".join(words) and b"run" in words and b"up" not in words:
+            words = command_words(int(entry.name))
+            if str(run_dir).encode() in b" ".join(words) and b"up" not in words:
                 found.append(int(entry.name))
     return found
+
+
+def run_processes(run_dir: Path) -> list[int]:
+    """The roles of a local run and what they forked (`hivekeeper run ...`): not its
+    Prometheus, which SIGUSR1 would end."""
+    return [pid for pid in processes_of(run_dir) if b"run" in command_words(pid)]
 
 
 def kill_leftover(runner) -> None:

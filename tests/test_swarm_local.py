@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import kill_leftover, print_run_logs, wait_for, write_manifest
+from conftest import kill_leftover, print_run_logs, processes_of, wait_for, write_manifest
 from hivekeeper.dashboards import expressions
 from hivekeeper.local.supervisor import KILLED_SECONDS
 from hivekeeper.runtime.lifeline import STOP_GRACE_SECONDS
@@ -111,19 +111,6 @@ def crash_trainer(run_dir: Path, index: int) -> int:
     assert victim, f"trainer-{index} is running"
     os.kill(victim, signal.SIGKILL)
     return victim
-
-
-def processes_of(run_dir: Path) -> list[int]:
-    """PIDs of role processes started for this run (their command line names the run dir)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if str(run_dir).encode() in (entry / "cmdline").read_bytes() and b" up " not in (entry / "cmdline").read_bytes().replace(b"\0", b" "):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return [pid for pid in found if pid != os.getpid()]
 
 
 def metric(text: str, name: str, labels: str = "") -> float:
