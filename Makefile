@@ -14,4 +14,4 @@ test: install
 	./scripts/test.sh
 
 e2e: install
-	trap 'scripts/cluster.sh down' EXIT; scripts/cluster.sh up && ./scripts/test.sh -m e2e tests/e2e
+	trap 'scripts/cluster.sh labs down' EXIT; scripts/cluster.sh labs up && ./scripts/test.sh -m e2e tests/e2e

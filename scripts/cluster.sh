@@ -7,37 +7,67 @@
 # The project's image is built from its Dockerfile by buildah (cluster/image/build.sh) and
 # imported into the node's containerd.
 #
-#   scripts/cluster.sh build   build what is missing (cached under $HIVEKEEPER_CACHE): the
-#                              binaries and the images (also alone: `binaries`, `images`)
-#   scripts/cluster.sh up      build, start, wait for the node; writes .cluster/kubeconfig
-#   scripts/cluster.sh down    stop every process it started, remove its namespaces and mounts
-#   scripts/cluster.sh load    rebuild the image and import it into the running cluster (pods
-#                              started afterwards run it; `kubectl rollout restart` the others)
-#   scripts/cluster.sh env     print KUBECONFIG=... and the image names
+#   scripts/cluster.sh build     build what is missing (cached under $HIVEKEEPER_CACHE): the
+#                                binaries and the images (also alone: `binaries`, `images`)
+#   scripts/cluster.sh up [b]    build, start, wait for the node; writes .cluster/kubeconfig
+#   scripts/cluster.sh down [b]  stop every process it started, remove its namespaces and mounts
+#   scripts/cluster.sh wan up [--b-behind-nat] | wan down
+#                                join lab a's and lab b's nodes through a WAN (below)
+#   scripts/cluster.sh labs up | labs down
+#                                both labs' clusters and the WAN between them, up or down
+#   scripts/cluster.sh load [b]  rebuild the image and import it into the running cluster (pods
+#                                started afterwards run it; `kubectl rollout restart` the others)
+#   scripts/cluster.sh env [b]   print KUBECONFIG=... and the image names
 #
-# The host reaches the API server at https://$NODE_IP:6443 through a veth pair into the node's
-# namespace; pods reach it through the `kubernetes` Service. Built binaries and images are kept
-# in $HIVEKEEPER_CACHE (default ~/.cache/hivekeeper) so a second run on one machine is quick;
-# the cluster's own state (certificates, etcd, kubelet, containerd) lives in .cluster/.
+# Two labs: `a` (the default) and `b` are two clusters, each with its own control plane, node,
+# network namespace, containerd and state (.cluster/ and .cluster-b/), for the tier where labs
+# pool their clusters. `wan up` joins their nodes through a WAN namespace, as two labs' sites
+# are joined by the internet: each node gets a public address (lab a 203.0.113.2, lab b
+# 203.0.113.6; TEST-NET-3, never routed anywhere), every packet between them is delayed 20 ms
+# each way (40 ms round trip: bench/wandelay, since this kernel has no netem) and capped at
+# $WAN_RATE (tc tbf), and pods reach the other lab masqueraded
+# behind their node's public address, as a cloud's NAT gateway does. With --b-behind-nat, lab b
+# takes no connection from the WAN that it did not open (a NAT with no port forwarded). The
+# host reaches both API servers, and both public addresses, through its veth pairs.
+#
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 K8S_VERSION=1.34.4
 CACHE="${HIVEKEEPER_CACHE:-$HOME/.cache/hivekeeper}"
 BIN="$CACHE/kube-v$K8S_VERSION/bin"
-# containerd's content and snapshots outlive the cluster, so an image imported once is not
-# unpacked again (a 5.8 GB archive takes about 3 min); its containers do not.
-CONTAINERD_ROOT="$CACHE/containerd"
-STATE="$ROOT/.cluster"
-RUN=/run/hivekeeper-cluster              # sockets: their paths must stay short
-NS=hk-node                                 # the node's network namespace
-NODE=hk-node                               # the node's name
-NODE_IP=198.18.0.2                         # RFC 2544 benchmark range: never routed anywhere
-HOST_IP=198.18.0.1
-POD_CIDR=10.244.0.0/24
-SERVICE_CIDR=10.96.0.0/16
-API_SERVICE_IP=10.96.0.1
 DOMAIN=cluster.local
+WAN_NS=hk-wan
+WAN_RATE_MBIT=${HIVEKEEPER_WAN_MBIT:-100}
+WAN_RUN=/run/hivekeeper-wan  # the delay line's pid
+
+# lab a|b: the names and addresses of one lab's cluster. Lab a's are those of the one cluster
+# the tier had before labs pooled clusters, so its paths and addresses stay as they were.
+lab() {
+    LAB=${1:-a}
+    # CGROUP_ROOT: the kubelet's cgroups (lab a's pods under /kubepods, lab b's under /hk-b/kubepods)
+    case "$LAB" in
+        a) local suffix="" n=0; CGROUP_ROOT=/ ;;
+        b) local suffix="-b" n=1; CGROUP_ROOT=/hk-b ;;
+        *) die "unknown lab '$LAB': a or b" ;;
+    esac
+    # containerd's content and snapshots outlive the cluster, so an image imported once is not
+    # unpacked again (a 5.8 GB archive takes about 3 min); its containers do not.
+    CONTAINERD_ROOT="$CACHE/containerd$suffix"
+    STATE="$ROOT/.cluster$suffix"
+    RUN=/run/hivekeeper-cluster$suffix     # sockets: their paths must stay short
+    NS=hk-node$suffix                        # the node's network namespace
+    NODE=hk-node$suffix                      # the node's name
+    HOST_VETH=hk-host$suffix
+    NODE_IP=198.18.0.$((4 * n + 2))          # RFC 2544 benchmark range: never routed anywhere
+    HOST_IP=198.18.0.$((4 * n + 1))
+    PUBLIC_IP=203.0.113.$((4 * n + 2))       # the node's address on the WAN (`wan up`)
+    WAN_GATEWAY=203.0.113.$((4 * n + 1))
+    POD_CIDR=10.$((244 + n)).0.0/24
+    SERVICE_CIDR=10.$((96 + n)).0.0/16
+    API_SERVICE_IP=10.$((96 + n)).0.1
+    CLUSTER_NAME=hivekeeper-e2e$suffix
+}
 DEBIAN_PACKAGES=(containerd runc containernetworking-plugins iptables openssl)
 # Host-wide sysctls the kubelet sets at start; `down` puts back what was there before.
 KUBELET_SYSCTLS=(vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_on_oops kernel/keys/root_maxkeys kernel/keys/root_maxbytes)
@@ -50,6 +80,8 @@ in_node() { nsenter --net="/run/netns/$NS" "$@"; }
 KUBECTL="$ROOT/.tools/bin/kubectl"
 kubectl_() { "$KUBECTL" --kubeconfig "$STATE/kubeconfig" "$@"; }
 ctr_() { ctr --address "$RUN/containerd.sock" -n k8s.io "$@"; }
+# kubepods: the cgroup path (as /proc/PID/cgroup names it) under which this lab's pods run.
+kubepods() { if [ "$CGROUP_ROOT" = / ]; then echo /kubepods; else echo "$CGROUP_ROOT/kubepods"; fi; }
 
 # --- build ------------------------------------------------------------------------------------
 
@@ -148,7 +180,7 @@ kubeconfig() {
 apiVersion: v1
 kind: Config
 clusters:
-- name: hivekeeper-e2e
+- name: $CLUSTER_NAME
   cluster:
     server: https://$NODE_IP:6443
     certificate-authority-data: $(base64 -w0 "$PKI/ca.crt")
@@ -158,9 +190,9 @@ users:
     client-certificate-data: $(base64 -w0 "$PKI/$2.crt")
     client-key-data: $(base64 -w0 "$PKI/$2.key")
 contexts:
-- name: hivekeeper-e2e
-  context: {cluster: hivekeeper-e2e, user: $2}
-current-context: hivekeeper-e2e
+- name: $CLUSTER_NAME
+  context: {cluster: $CLUSTER_NAME, user: $2}
+current-context: $CLUSTER_NAME
 EOF
 }
 
@@ -168,7 +200,7 @@ make_pki() {
     PKI="$STATE/pki"
     mkdir -p "$PKI"
     # ECDSA P-256 throughout: RSA key generation alone took 20 s on a loaded 2-core machine.
-    openssl req -x509 -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout "$PKI/ca.key" -subj "/CN=hivekeeper-e2e-ca" \
+    openssl req -x509 -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout "$PKI/ca.key" -subj "/CN=$CLUSTER_NAME-ca" \
         -days 30 -out "$PKI/ca.crt" 2>/dev/null
     cert apiserver kube-apiserver "" \
         "IP:$NODE_IP,IP:$API_SERVICE_IP,IP:127.0.0.1,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.$DOMAIN,DNS:localhost"
@@ -191,12 +223,12 @@ make_pki() {
 
 make_netns() {
     ip netns add "$NS"
-    ip link add hk-host type veth peer name hk-node0
-    ip link set hk-node0 netns "$NS"
-    ip addr add "$HOST_IP/30" dev hk-host
-    ip link set hk-host up
+    ip link add "$HOST_VETH" type veth peer name "$NS-0"
+    ip link set "$NS-0" netns "$NS"
+    ip addr add "$HOST_IP/30" dev "$HOST_VETH"
+    ip link set "$HOST_VETH" up
     in_node ip link set lo up
-    in_node ip link set hk-node0 name eth0
+    in_node ip link set "$NS-0" name eth0
     in_node ip addr add "$NODE_IP/30" dev eth0
     in_node ip link set eth0 up
     # No default route: nothing leaves. The Service range needs a route so that a connection
@@ -255,7 +287,7 @@ start_control_plane() {
         --authentication-kubeconfig "$STATE/controller-manager.kubeconfig" \
         --authorization-kubeconfig "$STATE/controller-manager.kubeconfig" \
         --service-account-private-key-file "$PKI/sa.key" --root-ca-file "$PKI/ca.crt" \
-        --use-service-account-credentials=true --cluster-name hivekeeper-e2e \
+        --use-service-account-credentials=true --cluster-name "$CLUSTER_NAME" \
         --cluster-signing-cert-file "$PKI/ca.crt" --cluster-signing-key-file "$PKI/ca.key" \
         --leader-elect=false --bind-address 127.0.0.1 --profiling=false
     start kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$STATE/scheduler.kubeconfig" \
@@ -356,6 +388,7 @@ start_node() {
         [ -r "/proc/sys/$sysctl" ] && echo "$sysctl $(cat "/proc/sys/$sysctl")" >> "$STATE/sysctls"
     done
     echo "nameserver $NODE_IP" > "$STATE/resolv.conf"
+    make_cgroup_root
     cat > "$STATE/kubelet/config.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -365,6 +398,9 @@ authentication:
   x509: {clientCAFile: $PKI/ca.crt}
 authorization: {mode: Webhook}
 cgroupDriver: cgroupfs
+cgroupRoot: $CGROUP_ROOT
+# Each lab's kubelet removes the log folders of pods it does not know: one folder per lab.
+podLogsDir: $STATE/pod-logs
 containerRuntimeEndpoint: unix://$RUN/containerd.sock
 clusterDNS: [$NODE_IP]
 clusterDomain: $DOMAIN
@@ -418,6 +454,22 @@ EOF
     wait_until 60 "the default ServiceAccount" kubectl_ get serviceaccount default
 }
 
+# make_cgroup_root: lab b's kubelet puts its pods under a cgroup of its own (the kubelet needs it
+# to exist), so that two kubelets on one machine never manage each other's pods. cpuset needs
+# its CPUs and memory nodes set before anything can run in it: the root's.
+make_cgroup_root() {
+    [ "$CGROUP_ROOT" = / ] && return
+    local hierarchy
+    for hierarchy in /sys/fs/cgroup/*/; do
+        [ -L "${hierarchy%/}" ] && continue  # cpu,cpuacct's aliases
+        mkdir -p "$hierarchy${CGROUP_ROOT#/}"
+    done
+    if [ -d /sys/fs/cgroup/cpuset ]; then
+        cat /sys/fs/cgroup/cpuset/cpuset.cpus > "/sys/fs/cgroup/cpuset$CGROUP_ROOT/cpuset.cpus"
+        cat /sys/fs/cgroup/cpuset/cpuset.mems > "/sys/fs/cgroup/cpuset$CGROUP_ROOT/cpuset.mems"
+    fi
+}
+
 node_ready() {
     [ "$(kubectl_ get node "$NODE" -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}')" = True ]
 }
@@ -454,6 +506,7 @@ cmd_up() {
         echo "KUBECONFIG=$STATE/kubeconfig"
         echo "HIVEKEEPER_E2E_IMAGE=$IMAGE"
         echo "HIVEKEEPER_KUBECTL=$KUBECTL"
+        echo "HIVEKEEPER_E2E_PUBLIC_IP=$PUBLIC_IP"
     } > "$STATE/env"
     log "cluster up in $((SECONDS - up_start)) s ($((SECONDS - start)) s with the build): KUBECONFIG=$STATE/kubeconfig"
 }
@@ -477,7 +530,7 @@ stop_pid() {  # stop_pid NAME: SIGTERM, then SIGKILL after 10 s
 # Every process in a pod: those whose cgroup is under the kubelet's kubepods, and the shims.
 kill_pods() {
     local pids pid
-    pids="$(grep -l kubepods /proc/[0-9]*/cgroup 2>/dev/null | cut -d/ -f3 || true)"
+    pids="$(grep -l ":$(kubepods)/" /proc/[0-9]*/cgroup 2>/dev/null | cut -d/ -f3 || true)"
     pids+=" $(pgrep -f "containerd-shim-runc-v2 .*-address $RUN/" || true)"
     for pid in $pids; do kill -KILL "$pid" 2>/dev/null || true; done
     for pid in $pids; do
@@ -513,22 +566,122 @@ cmd_down() {
     stop_pid etcd
     unmount_under "$STATE" "$RUN" "$CONTAINERD_ROOT"
     rm -rf "$CONTAINERD_ROOT/io.containerd.grpc.v1.cri/containers" "$CONTAINERD_ROOT/io.containerd.grpc.v1.cri/sandboxes"
-    # The pods' network namespaces (containerd's CNI names them cni-<uuid>).
+    # The pods' network namespaces (containerd's CNI names them cni-<uuid>): those no process is
+    # in any more, now that this lab's pods are gone (the other lab's pods are still in theirs).
     for netns in /run/netns/cni-*; do
         [ -e "$netns" ] || continue
+        [ -z "$(ip netns pids "$(basename "$netns")" 2>/dev/null)" ] || continue
         umount -l "$netns" 2>/dev/null || true
         rm -f "$netns"
     done
     # The kubelet's cgroups (empty now that their processes are gone).
-    find /sys/fs/cgroup/*/kubepods -depth -type d -exec rmdir {} + 2>/dev/null || true
+    find /sys/fs/cgroup/*"$(kubepods)" -depth -type d -exec rmdir {} + 2>/dev/null || true
+    [ "$CGROUP_ROOT" = / ] || rmdir /sys/fs/cgroup/*"$CGROUP_ROOT" 2>/dev/null || true
     ip netns del "$NS" 2>/dev/null || true
-    ip link del hk-host 2>/dev/null || true
+    ip link del "$HOST_VETH" 2>/dev/null || true
     if [ -f "$STATE/sysctls" ]; then
         while read -r key value; do echo "$value" > "/proc/sys/$key" 2>/dev/null || true; done < "$STATE/sysctls"
         rm -f "$STATE/sysctls"
     fi
     rm -rf "$RUN"
     log "cluster down"
+}
+
+# --- the WAN between the labs ---------------------------------------------------------------
+
+# wan_link LAB: a veth from the WAN namespace to LAB's node: the node's public address on its
+# end (wan0), a route to the other public addresses through the WAN, its pods masqueraded
+# behind that address; the delay and the rate cap on the WAN's end, the way packets leave it
+# toward the node (so each direction of a path between the nodes crosses one of each).
+wan_link() {
+    lab "$1"
+    [ -e "/run/netns/$NS" ] || die "lab $LAB's cluster is not up (scripts/cluster.sh up $LAB)"
+    local wan_end="wan-$LAB"
+    ip link add "$wan_end" netns "$WAN_NS" type veth peer name wan0 netns "$NS"
+    ip -n "$WAN_NS" addr add "$WAN_GATEWAY/30" dev "$wan_end"
+    ip -n "$WAN_NS" link set "$wan_end" up
+    # the cap's queue holds two round trips at the cap (at least 128 KiB), its burst 5 ms (at
+    # least a 64 KiB GSO packet): as tests/netns.py shapes its WAN
+    local rate=$((WAN_RATE_MBIT * 125000))
+    local burst=$((rate / 200 > 65536 ? rate / 200 : 65536)) limit=$((rate * 8 / 100 > 131072 ? rate * 8 / 100 : 131072))
+    ip netns exec "$WAN_NS" tc qdisc add dev "$wan_end" root tbf rate "${WAN_RATE_MBIT}mbit" burst "$burst" limit "$limit"
+    in_node ip addr add "$PUBLIC_IP/30" dev wan0
+    in_node ip link set wan0 up
+    in_node ip route add 203.0.113.0/24 via "$WAN_GATEWAY" dev wan0
+    in_node iptables -w -t nat -A POSTROUTING -s "$POD_CIDR" -o wan0 -j MASQUERADE
+    # the host reaches the public address through its veth into the node
+    ip route replace "$PUBLIC_IP/32" via "$NODE_IP" dev "$HOST_VETH"
+}
+
+cmd_wan() {
+    case "${1:-}" in
+        up)
+            cmd_wan_down
+            ip netns add "$WAN_NS"
+            ip -n "$WAN_NS" link set lo up
+            ip netns exec "$WAN_NS" sysctl -qw net.ipv4.ip_forward=1
+            wan_link a
+            wan_link b
+            start_delay_line 20ms
+            if [ "${2:-}" = --b-behind-nat ]; then
+                # lab b's node answers and forwards nothing from the WAN it did not ask for
+                in_node iptables -w -I INPUT -i wan0 -m conntrack --ctstate NEW -j DROP
+                in_node iptables -w -I FORWARD -i wan0 -m conntrack --ctstate NEW -j DROP
+            fi
+            log "WAN up: lab a at 203.0.113.2, lab b at 203.0.113.6, 40 ms round trip, ${WAN_RATE_MBIT} Mbit/s${2:+ (lab b behind a NAT)}"
+            ;;
+        down) cmd_wan_down ;;
+        *) die "usage: $0 wan up [--b-behind-nat] | wan down" ;;
+    esac
+}
+
+# start_delay_line DELAY: bench/wandelay in the WAN namespace, holding each packet it forwards
+# for DELAY (built with this machine's Go, cached by its source's digest as tests/netns.py does).
+start_delay_line() {
+    local digest binary
+    digest="$(cat "$ROOT"/bench/wandelay/*.go | sha256sum | cut -c1-16)"
+    binary="$CACHE/wandelay-$digest"
+    if [ ! -x "$binary" ]; then
+        (cd "$ROOT/bench/wandelay" && CGO_ENABLED=0 go build -o "$binary.tmp" .) && mv "$binary.tmp" "$binary" \
+            || die "building bench/wandelay failed"
+    fi
+    mkdir -p "$WAN_RUN"
+    setsid ip netns exec "$WAN_NS" "$binary" -queue 0 -delay "$1" >"$WAN_RUN/wandelay.log" 2>&1 </dev/null &
+    echo $! > "$WAN_RUN/pid"
+    local i
+    for i in $(seq 1 100); do
+        grep -qx ready "$WAN_RUN/wandelay.log" 2>/dev/null && break
+        kill -0 "$(cat "$WAN_RUN/pid")" 2>/dev/null || die "wandelay did not start: $(cat "$WAN_RUN/wandelay.log")"
+        sleep 0.1
+    done
+    ip netns exec "$WAN_NS" iptables -w -A FORWARD -j NFQUEUE --queue-num 0
+}
+
+# cmd_wan_down: the WAN namespace (its veths go with it) and what the labs' nodes and the host
+# hold for it.
+cmd_wan_down() {
+    local l
+    for l in a b; do
+        lab "$l"
+        ip route del "$PUBLIC_IP/32" 2>/dev/null || true
+        [ -e "/run/netns/$NS" ] || continue
+        in_node iptables -w -t nat -D POSTROUTING -s "$POD_CIDR" -o wan0 -j MASQUERADE 2>/dev/null || true
+        in_node iptables -w -D INPUT -i wan0 -m conntrack --ctstate NEW -j DROP 2>/dev/null || true
+        in_node iptables -w -D FORWARD -i wan0 -m conntrack --ctstate NEW -j DROP 2>/dev/null || true
+    done
+    if [ -f "$WAN_RUN/pid" ]; then
+        kill "$(cat "$WAN_RUN/pid")" 2>/dev/null || true
+    fi
+    rm -rf "$WAN_RUN"
+    ip netns del "$WAN_NS" 2>/dev/null || true
+}
+
+cmd_labs() {
+    case "${1:-}" in
+        up) (lab a; cmd_up) && (lab b; cmd_up) && cmd_wan up ;;
+        down) cmd_wan_down; (lab b; cmd_down); (lab a; cmd_down) ;;
+        *) die "usage: $0 labs up | labs down" ;;
+    esac
 }
 
 cmd_env() { cat "$STATE/env"; }
@@ -540,13 +693,18 @@ cmd_load() {
     import_images
 }
 
-case "${1:-}" in
+command=${1:-}
+shift || true
+case "$command" in
     build) cmd_build ;;
     binaries) cmd_binaries ;;
     images) cmd_images ;;
-    up) cmd_up ;;
-    down) cmd_down ;;
-    env) cmd_env ;;
-    load) cmd_load ;;
-    *) echo "usage: $0 build|binaries|images|up|down|load|env" >&2; exit 2 ;;
+    up) lab "${1:-a}"; cmd_up ;;
+    down) lab "${1:-a}"; cmd_down ;;
+    env) lab "${1:-a}"; cmd_env ;;
+    load) lab "${1:-a}"; cmd_load ;;
+    wan) cmd_wan "$@" ;;
+    labs) cmd_labs "$@" ;;
+    *) echo "usage: $0 build|binaries|images|up [b]|down [b]|load [b]|env [b]|wan up|wan down|labs up|labs down" >&2
+       exit 2 ;;
 esac

@@ -7,7 +7,10 @@ $KUBECONFIG with $HIVEKEEPER_E2E_IMAGE), and skips otherwise; `make test` brings
 can (root, Go) and takes it down afterwards.
 
 The files run in name order and share one cluster and one release: the operator, then each kind,
-then `helm uninstall`."""
+then `helm uninstall`. Where labs pool their clusters, a second cluster stands for lab B
+(`scripts/cluster.sh up b`), joined to the first through a WAN (`scripts/cluster.sh wan up`):
+the `lab_b` fixture, with the chart installed there too. Each lab reaches the other only at its
+public address (`Cluster.public_ip`), as two labs' clusters reach each other over the internet."""
 
 from __future__ import annotations
 
@@ -32,20 +35,24 @@ LEASE = f"{RELEASE}-leader"  # the operator replicas' leader Lease (the chart's 
 NAMESPACE = "e2e"  # where the resources under test live
 
 
-def _cluster_env() -> dict[str, str]:
-    env_file = REPO / ".cluster" / "env"
+def _cluster_env(state: str = ".cluster", environ: bool = True) -> dict[str, str]:
+    """What `scripts/cluster.sh up` wrote to STATE/env; with `environ`, overridden by this
+    process's environment (a cluster started some other way)."""
+    env_file = REPO / state / "env"
     found: dict[str, str] = {}
     if env_file.exists():
         for line in env_file.read_text().splitlines():
             key, _, value = line.partition("=")
             found[key] = value
-    for key in ("KUBECONFIG", "HIVEKEEPER_E2E_IMAGE", "HIVEKEEPER_KUBECTL"):
+    for key in ("KUBECONFIG", "HIVEKEEPER_E2E_IMAGE", "HIVEKEEPER_KUBECTL") if environ else ():
         if os.environ.get(key):
             found[key] = os.environ[key]
     return found
 
 
 ENV = _cluster_env()
+ENV_B = _cluster_env(".cluster-b", environ=False)  # lab B's cluster: `scripts/cluster.sh up b`
+WAN = Path("/run/netns/hk-wan")  # `scripts/cluster.sh wan up`
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -89,6 +96,8 @@ class Cluster:
         self.kubectl_bin = env.get("HIVEKEEPER_KUBECTL") or "kubectl"
         self.image = env["HIVEKEEPER_E2E_IMAGE"]
         self.helm_bin = str(REPO / ".tools" / "bin" / "helm")
+        # the node's address on the WAN between the labs (scripts/cluster.sh wan up)
+        self.public_ip = env.get("HIVEKEEPER_E2E_PUBLIC_IP", "")
 
     def _env(self) -> dict[str, str]:
         return {**os.environ, "KUBECONFIG": self.kubeconfig}
@@ -171,13 +180,32 @@ def install_release(cluster: Cluster) -> None:
     cluster.kubectl("create", "namespace", NAMESPACE, check=False)
 
 
+def uninstall_release(cluster: Cluster) -> None:
+    if cluster.helm("status", RELEASE, "-n", OPERATOR_NAMESPACE, check=False).returncode == 0:
+        cluster.helm("uninstall", RELEASE, "-n", OPERATOR_NAMESPACE, "--wait", check=False)
+    cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=true", check=False, timeout=300)
+
+
 @pytest.fixture(scope="session")
 def release(cluster: Cluster):
     install_release(cluster)
     yield RELEASE
-    if cluster.helm("status", RELEASE, "-n", OPERATOR_NAMESPACE, check=False).returncode == 0:
-        cluster.helm("uninstall", RELEASE, "-n", OPERATOR_NAMESPACE, "--wait", check=False)
-    cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=true", check=False, timeout=300)
+    uninstall_release(cluster)
+
+
+@pytest.fixture(scope="session")
+def lab_b(cluster: Cluster) -> Iterator[Cluster]:
+    """Lab B's cluster, with hivekeeper installed as lab B's admin would (`helm install`), joined
+    to lab A's through the WAN. The real-cluster tier brings both up (scripts/test.sh); a tier
+    run by hand against one cluster fails here, naming what is missing."""
+    missing = [what for what, there in (("`scripts/cluster.sh up b`", ENV_B.get("KUBECONFIG")),
+                                        ("`scripts/cluster.sh wan up`", WAN.exists())) if not there]
+    assert not missing, f"lab B's cluster is not up: run {' and '.join(missing)}"
+    b = Cluster(ENV_B)
+    assert b.public_ip and cluster.public_ip, "no public addresses in .cluster*/env: run `scripts/cluster.sh up` again"
+    install_release(b)
+    yield b
+    uninstall_release(b)
 
 
 def logged_entry(log: str, msg: str) -> dict[str, Any] | None:

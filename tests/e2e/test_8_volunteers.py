@@ -1,16 +1,19 @@
-"""A Swarm with a door for volunteers, in pods (issue 18 on a real cluster): the operator's
-token service serves TLS with a certificate made from the swarm's key, the peers get their
-tokens with the invites the operator minted (each naming that key's fingerprint), and train
-with every RPC admitted by token: the monitor downloads the trainers' state and evaluates it
-only if the trainers admit it. From outside the cluster, an invite minted from the swarm's key
-Secret gets a volunteer its token through the NodePort (`hivekeeper join --dry-run`).
+"""A Swarm with a door for volunteers, and a second lab pooling its cluster into it (issues 18
+and 29 on real clusters). The operator's token service serves TLS with a certificate made from
+the swarm's key, the peers get their tokens with the invites the operator minted (each naming
+that key's fingerprint), and train with every RPC admitted by token: the monitor downloads the
+trainers' state and evaluates it only if the trainers admit it. From outside the cluster, an
+invite minted from the swarm's key Secret gets a volunteer its token through the NodePort
+(`hivekeeper join --dry-run`).
 
-Then a second lab joins with its own resource (spec.join), from a namespace of its own through
-the NodePorts as it would from another cluster: a manifest that sets a host-owned field is
-refused at apply; the joining Swarm's trainer trains in the host's swarm (the host's status
-counts the lab's peers and samples) and its status shows the swarm's figures and Joined; lab A
-revoking lab B, then an invite of another swarm, stop the lab's peers with the reason in Joined,
-the host unharmed."""
+Then lab B joins from its own cluster with its own resource (spec.join), across the WAN between
+the labs: each lab's backbone and trainers announce their node's public address at node ports,
+as labs that pool clusters expose them. A manifest that sets a host-owned field is refused at
+apply; the joining Swarm's trainer trains in the host's swarm (the host's status counts the lab's
+peers and samples) and its status shows the swarm's figures and Joined; both labs train on with
+lab A's backbone pod deleted; lab A revoking lab B,
+then an invite of another swarm, stop the lab's peers with the reason in Joined, the host
+unharmed."""
 
 from __future__ import annotations
 
@@ -21,20 +24,29 @@ from typing import Any
 
 import pytest
 
-from e2e.support import NAMESPACE, Cluster, applied, example, hivekeeper, node_ip, swarm_key, wait_for
+from e2e.support import NAMESPACE, Cluster, applied, example, hivekeeper, swarm_key, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 NAME = "open"
 SMALL = {"cpu": "250m", "memory": "1Gi"}  # sized to a 2-core node
 TINY = {"cpu": "100m", "memory": "1Gi"}  # the host's trainers and the lab's beside them
-LAB, LAB_NAMESPACE = "lab-b", "hivekeeper-e2e-lab-b"
+LAB = "lab-b"
+BACKBONE_PORT, TRAINER_PORT = 31500, 31510  # each lab's, on its own node: trainer i at TRAINER_PORT + i
+
+
+def exposed(host: str) -> dict[str, Any]:
+    """The backbone's and the trainers' `network`: node ports at the lab's public address."""
+    return {"backbone": {"network": {"expose": "NodePort", "port": BACKBONE_PORT, "publicHost": host}},
+            "trainers": {"network": {"expose": "NodePort", "port": TRAINER_PORT, "publicHost": host}}}
 
 
 def manifest(host: str) -> dict[str, Any]:
-    """The example, on NodePorts of the one node, its peers' CPU requests cut to fit 2 cores."""
+    """The example, on NodePorts of lab A's node at its public address, its peers' CPU requests cut
+    to fit 2 cores."""
     return example("swarm-digits-volunteers.yaml", {"metadata": {"name": NAME}, "spec": {
-        "trainers": {"replicas": 2, "resources": TINY},
+        **exposed(host),
+        "trainers": {"replicas": 2, "resources": TINY, **exposed(host)["trainers"]},
         "auxiliary": {"replicas": 0},
         "balancer": {"enabled": False},
         "monitor": {"evalEverySteps": 2},
@@ -44,15 +56,16 @@ def manifest(host: str) -> dict[str, Any]:
     }})
 
 
-def joining(gateway: str, **spec: Any) -> dict[str, Any]:
-    """Lab B's Swarm: its part only, the rest from the host."""
+def joining(gateway: str, host: str, **spec: Any) -> dict[str, Any]:
+    """Lab B's Swarm: its part only, exposed at its own public address `host`; the rest from the
+    host lab."""
     return {"apiVersion": "hivekeeper.dev/v1alpha1", "kind": "Swarm", "metadata": {"name": "digits-part"},
-            "spec": {"join": {"gateway": gateway, "inviteSecret": "lab-a-invite"},
-                     "trainers": {"replicas": 1, "resources": TINY}, **spec}}
+            "spec": {"join": {"gateway": gateway, "inviteSecret": "lab-a-invite"}, **exposed(host),
+                     "trainers": {"replicas": 1, "resources": TINY, **exposed(host)["trainers"]}, **spec}}
 
 
-def test_open_swarm_trains_with_every_rpc_admitted(cluster: Cluster, release: str, tmp_path: Path):
-    host = node_ip(cluster)
+def test_open_swarm_trains_with_every_rpc_admitted(cluster: Cluster, release: str, lab_b: Cluster, tmp_path: Path):
+    host = cluster.public_ip
     with applied(cluster, manifest(host)):
         def status() -> dict[str, Any]:
             return cluster.status("swarm", NAME)
@@ -77,23 +90,22 @@ def test_open_swarm_trains_with_every_rpc_admitted(cluster: Cluster, release: st
         record = json.loads((tmp_path / "alice" / "join.json").read_text())
         assert record.get("state") == "dry-run", record
 
-        lab_b_joins(cluster, gateway, tmp_path)
+        lab_b_joins(cluster, lab_b, gateway, tmp_path)
 
 
-def lab_b_joins(cluster: Cluster, gateway: str, tmp_path: Path) -> None:
-    refused = cluster.apply(joining(gateway, averaging={"mode": "diloco"}), check=False)
+def lab_b_joins(cluster: Cluster, lab_b: Cluster, gateway: str, tmp_path: Path) -> None:
+    refused = lab_b.apply(joining(gateway, lab_b.public_ip, averaging={"mode": "diloco"}), check=False)
     assert refused.returncode != 0 and "spec.averaging: Invalid value" in refused.stderr \
         and "a joining Swarm takes this from the host (spec.join); remove it" in refused.stderr, refused.stderr
     invite = hivekeeper("invite", "--key-file", str(swarm_key(cluster, NAME, tmp_path)), "--identity", LAB)
     assert invite.returncode == 0, invite.stderr
-    cluster.kubectl("create", "namespace", LAB_NAMESPACE, check=False)
     try:
-        cluster.kubectl("create", "secret", "generic", "lab-a-invite", "-n", LAB_NAMESPACE,
-                        f"--from-literal=invite={invite.stdout.strip()}")
-        cluster.apply(joining(gateway), namespace=LAB_NAMESPACE)
+        lab_b.kubectl("create", "secret", "generic", "lab-a-invite", "-n", NAMESPACE,
+                      f"--from-literal=invite={invite.stdout.strip()}")
+        lab_b.apply(joining(gateway, lab_b.public_ip))
 
         def part() -> dict[str, Any]:
-            return cluster.status("swarm", "digits-part", LAB_NAMESPACE)
+            return lab_b.status("swarm", "digits-part")
 
         def joined(status: dict[str, Any]) -> dict[str, Any]:
             return next((c for c in status.get("conditions") or [] if c["type"] == "Joined"), {})
@@ -110,8 +122,17 @@ def lab_b_joins(cluster: Cluster, gateway: str, tmp_path: Path) -> None:
                               and s.get("peersAlive", {}).get("trainer", 0) >= 3 and s, 120,
                               "lab B's status: the global step, its trainer ready, every trainer alive")
             assert joined(status).get("status") == "True", status
+
+            # Lab A's backbone goes down: the DHT lives on in lab B's backbone and every other
+            # peer, and both labs train on (the operator starts lab A's backbone again).
+            step_a, step_b = cluster.status("swarm", NAME)["globalStep"], status["globalStep"]
+            cluster.kubectl("delete", "pod", "-n", NAMESPACE, "--wait=false", "-l",
+                            f"hivekeeper.dev/swarm={NAME},hivekeeper.dev/component=backbone")
+            wait_for(lambda: cluster.status("swarm", NAME).get("globalStep", 0) >= step_a + 3
+                     and part().get("globalStep", 0) >= step_b + 3, 240,
+                     "both labs' statuses to count 3 more steps with lab A's backbone deleted")
         except AssertionError:
-            print(cluster.describe_failure(LAB_NAMESPACE))
+            print(lab_b.describe_failure())
             raise
 
         # Lab A revokes lab B: B's operator finds it refused at its next probe and stops B's peers.
@@ -120,8 +141,7 @@ def lab_b_joins(cluster: Cluster, gateway: str, tmp_path: Path) -> None:
         revoked = wait_for(lambda: joined(s := part()).get("reason") == "InviteRefused" and s, 240,
                            "Joined: InviteRefused once lab A removed lab B")
         assert "allowlist" in joined(revoked)["message"] and revoked["phase"] == "Pending", revoked
-        wait_for(lambda: not cluster.pods("hivekeeper.dev/swarm=digits-part", LAB_NAMESPACE), 180,
-                 "lab B's pods to stop")
+        wait_for(lambda: not lab_b.pods("hivekeeper.dev/swarm=digits-part"), 180, "lab B's pods to stop")
 
         # Another swarm's invite: the host's gateway does not hold the key it names.
         from hivemind.utils.crypto import RSAPrivateKey
@@ -129,15 +149,15 @@ def lab_b_joins(cluster: Cluster, gateway: str, tmp_path: Path) -> None:
         from hivekeeper.auth.tokens import mint_invite
 
         other = mint_invite(RSAPrivateKey(), LAB, time.time() + 3600)
-        cluster.kubectl("delete", "secret", "lab-a-invite", "-n", LAB_NAMESPACE)
-        cluster.kubectl("create", "secret", "generic", "lab-a-invite", "-n", LAB_NAMESPACE,
-                        f"--from-literal=invite={other}")
+        lab_b.kubectl("delete", "secret", "lab-a-invite", "-n", NAMESPACE)
+        lab_b.kubectl("create", "secret", "generic", "lab-a-invite", "-n", NAMESPACE, f"--from-literal=invite={other}")
         stopped = wait_for(lambda: joined(s := part()).get("reason") == "GatewayKeyMismatch" and s, 120,
                            "Joined: GatewayKeyMismatch")
-        assert stopped["phase"] == "Pending" and not cluster.pods("hivekeeper.dev/swarm=digits-part", LAB_NAMESPACE)
-        events = cluster.kubectl("get", "events", "-n", LAB_NAMESPACE, "-o", "json").stdout
+        assert stopped["phase"] == "Pending" and not lab_b.pods("hivekeeper.dev/swarm=digits-part")
+        events = lab_b.kubectl("get", "events", "-n", NAMESPACE, "-o", "json").stdout
         assert "InviteRefused" in events and "GatewayKeyMismatch" in events
         step = cluster.status("swarm", NAME).get("globalStep", 0)
         wait_for(lambda: cluster.status("swarm", NAME).get("globalStep", 0) > step, 120, "the host to train on")
     finally:
-        cluster.kubectl("delete", "namespace", LAB_NAMESPACE, "--wait=true", timeout=300, check=False)
+        lab_b.kubectl("delete", "swarm", "digits-part", "-n", NAMESPACE, "--wait=true", timeout=300, check=False)
+        lab_b.kubectl("delete", "secret", "lab-a-invite", "-n", NAMESPACE, check=False)
