@@ -25,11 +25,15 @@
 # are joined by the internet: each node gets a public address (lab a 203.0.113.2, lab b
 # 203.0.113.6; TEST-NET-3, never routed anywhere), every packet between them is delayed 20 ms
 # each way (40 ms round trip: bench/wandelay, since this kernel has no netem) and capped at
-# $WAN_RATE (tc tbf), and pods reach the other lab masqueraded
-# behind their node's public address, as a cloud's NAT gateway does. With --b-behind-nat, lab b
-# takes no connection from the WAN that it did not open (a NAT with no port forwarded). The
-# host reaches both API servers, and both public addresses, through its veth pairs.
+# 100 Mbit/s ($HIVEKEEPER_WAN_MBIT; tc tbf), and pods reach the other lab masqueraded behind
+# their node's public address, as a cloud's NAT gateway does. With --b-behind-nat, lab b takes
+# no connection from the WAN that it did not open (a NAT with no port forwarded).
 #
+# The host reaches each API server at https://$NODE_IP:6443 through a veth pair into its node's
+# namespace, and both public addresses the same way; pods reach it through the `kubernetes`
+# Service. Built binaries and images are kept in $HIVEKEEPER_CACHE (default
+# ~/.cache/hivekeeper) so a second run on one machine is quick; a cluster's own state
+# (certificates, etcd, kubelet, containerd) lives in .cluster/ (lab b's: .cluster-b/).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -41,8 +45,8 @@ WAN_NS=hk-wan
 WAN_RATE_MBIT=${HIVEKEEPER_WAN_MBIT:-100}
 WAN_RUN=/run/hivekeeper-wan  # the delay line's pid
 
-# lab a|b: the names and addresses of one lab's cluster. Lab a's are those of the one cluster
-# the tier had before labs pooled clusters, so its paths and addresses stay as they were.
+# lab a|b: the names and addresses of one lab's cluster. Lab a's are also what the tools that
+# know only one cluster use (.cluster/, hk-node).
 lab() {
     LAB=${1:-a}
     # CGROUP_ROOT: the kubelet's cgroups (lab a's pods under /kubepods, lab b's under /hk-b/kubepods)
