@@ -11,7 +11,7 @@
 #                                binaries and the images (also alone: `binaries`, `images`)
 #   scripts/cluster.sh up [b]    build, start, wait for the node; writes .cluster/kubeconfig
 #   scripts/cluster.sh down [b]  stop every process it started, remove its namespaces and mounts
-#   scripts/cluster.sh wan up [--b-behind-nat] | wan down
+#   scripts/cluster.sh wan up | wan down
 #                                join lab a's and lab b's nodes through a WAN (below)
 #   scripts/cluster.sh labs up | labs down
 #                                both labs' clusters and the WAN between them, up or down
@@ -26,8 +26,7 @@
 # 203.0.113.6; TEST-NET-3, never routed anywhere), every packet between them is delayed 20 ms
 # each way (40 ms round trip: bench/wandelay, since this kernel has no netem) and capped at
 # 100 Mbit/s ($HIVEKEEPER_WAN_MBIT; tc tbf), and pods reach the other lab masqueraded behind
-# their node's public address, as a cloud's NAT gateway does. With --b-behind-nat, lab b takes
-# no connection from the WAN that it did not open (a NAT with no port forwarded).
+# their node's public address, as a cloud's NAT gateway does.
 #
 # The host reaches each API server at https://$NODE_IP:6443 through a veth pair into its node's
 # namespace, and both public addresses the same way; pods reach it through the `kubernetes`
@@ -627,15 +626,10 @@ cmd_wan() {
             wan_link a
             wan_link b
             start_delay_line 20ms
-            if [ "${2:-}" = --b-behind-nat ]; then
-                # lab b's node answers and forwards nothing from the WAN it did not ask for
-                in_node iptables -w -I INPUT -i wan0 -m conntrack --ctstate NEW -j DROP
-                in_node iptables -w -I FORWARD -i wan0 -m conntrack --ctstate NEW -j DROP
-            fi
-            log "WAN up: lab a at 203.0.113.2, lab b at 203.0.113.6, 40 ms round trip, ${WAN_RATE_MBIT} Mbit/s${2:+ (lab b behind a NAT)}"
+            log "WAN up: lab a at 203.0.113.2, lab b at 203.0.113.6, 40 ms round trip, ${WAN_RATE_MBIT} Mbit/s"
             ;;
         down) cmd_wan_down ;;
-        *) die "usage: $0 wan up [--b-behind-nat] | wan down" ;;
+        *) die "usage: $0 wan up | wan down" ;;
     esac
 }
 
@@ -653,9 +647,10 @@ start_delay_line() {
     setsid ip netns exec "$WAN_NS" "$binary" -queue 0 -delay "$1" >"$WAN_RUN/wandelay.log" 2>&1 </dev/null &
     echo $! > "$WAN_RUN/pid"
     local i
-    for i in $(seq 1 100); do
-        grep -qx ready "$WAN_RUN/wandelay.log" 2>/dev/null && break
-        kill -0 "$(cat "$WAN_RUN/pid")" 2>/dev/null || die "wandelay did not start: $(cat "$WAN_RUN/wandelay.log")"
+    for i in $(seq 1 100); do  # it prints "ready" once bound to its queue
+        grep -qx ready "$WAN_RUN/wandelay.log" && break
+        kill -0 "$(cat "$WAN_RUN/pid")" 2>/dev/null && [ "$i" -lt 100 ] \
+            || die "wandelay did not start: $(cat "$WAN_RUN/wandelay.log")"
         sleep 0.1
     done
     ip netns exec "$WAN_NS" iptables -w -A FORWARD -j NFQUEUE --queue-num 0
@@ -670,8 +665,6 @@ cmd_wan_down() {
         ip route del "$PUBLIC_IP/32" 2>/dev/null || true
         [ -e "/run/netns/$NS" ] || continue
         in_node iptables -w -t nat -D POSTROUTING -s "$POD_CIDR" -o wan0 -j MASQUERADE 2>/dev/null || true
-        in_node iptables -w -D INPUT -i wan0 -m conntrack --ctstate NEW -j DROP 2>/dev/null || true
-        in_node iptables -w -D FORWARD -i wan0 -m conntrack --ctstate NEW -j DROP 2>/dev/null || true
     done
     if [ -f "$WAN_RUN/pid" ]; then
         kill "$(cat "$WAN_RUN/pid")" 2>/dev/null || true

@@ -67,8 +67,7 @@ cluster_tier() {
   fi
   trap 'phase "cluster: down" scripts/cluster.sh labs down' EXIT
   phase "cluster: up" scripts/cluster.sh up || return 1
-  phase "cluster: up lab b, the WAN" scripts/cluster.sh up b || return 1
-  scripts/cluster.sh wan up || return 1
+  phase "cluster: up lab b, the WAN" bash -c 'scripts/cluster.sh up b && scripts/cluster.sh wan up' || return 1
   wait_for_isolated
   # Each wait the e2e tests make prints how long it took: the report keeps it for every test,
   # so a slow run shows where its time went.
