@@ -14,6 +14,7 @@ import torch
 from hivemind.moe.expert_uid import ExpertInfo
 
 import hivekeeper.experts.dmoe as dmoe
+import hivekeeper.hivemind_ext.p2pd as p2pd
 from hivekeeper.experts.common import ExpertMetrics
 
 
@@ -197,6 +198,43 @@ def test_tensors_go_on_the_wire_as_hivemind_writes_them():
                    torch.arange(6).view(2, 3)[:, :2], torch.randn(4, 4).to(torch.bfloat16)):
         assert to_wire(tensor) == serialize_torch_tensor(tensor)
         assert torch.equal(deserialize_torch_tensor(to_wire(tensor)), tensor.detach())
+
+
+def test_a_server_that_fails_is_dialed_at_its_announced_addresses(monkeypatch):
+    """A server the p2p daemon cannot find (in another lab's cluster) fails its message; the
+    client dials it at the addresses its report announces, once in 10 s, and the next message
+    goes through."""
+    from hivemind.p2p import PeerID
+
+    server = PeerID.from_base58("QmUBCJnqZ533GeWZPbDcoXJoK6FhS8bajcCT37gVf57Sj2")
+    announced = ["/ip4/10.245.0.5/tcp/31337", "/ip4/203.0.113.6/tcp/31710"]
+    dialed: list[tuple[object, list[str]]] = []
+    reachable, dialing = threading.Event(), threading.Event()
+
+    async def forward(uid, tensors, serialized, stub):
+        if not reachable.is_set():
+            raise RuntimeError("routing: not found")
+        return [tensors[0]]
+
+    async def dial(p2p, peer_id, maddrs):
+        dialed.append((peer_id, [str(m) for m in maddrs]))
+        dialing.set()
+
+    monkeypatch.setattr(dmoe, "get_server_stub", lambda p2p, peer_id: None)
+    monkeypatch.setattr(dmoe, "expert_forward", forward)
+    monkeypatch.setattr(p2pd, "dial", dial)
+    client = dmoe.ExpertClient(NoDHT(), addresses=lambda: {server.to_base58(): announced, "another": ["/ip4/1.2.3.4"]})
+    x = torch.ones(2, 3)
+    with pytest.raises(RuntimeError, match="routing"):
+        client.call(ExpertInfo("ffn.2.0", server), [x]).result(timeout=30)
+    assert dialing.wait(30)
+    for _ in range(2):  # failures within 10 s of the dial: no other
+        with pytest.raises(RuntimeError, match="routing"):
+            client.call(ExpertInfo("ffn.2.0", server), [x]).result(timeout=30)
+    reachable.set()  # the connection the dial opened
+    (y,) = client.call(ExpertInfo("ffn.2.0", server), [x]).result(timeout=30)
+    assert torch.equal(y, x)
+    assert dialed == [(server, announced)]
 
 
 def test_a_reply_behaves_as_a_future():

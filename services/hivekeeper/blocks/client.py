@@ -16,6 +16,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -62,6 +63,9 @@ class RemoteSequence:
         from hivemind.moe.client.remote_expert_worker import RemoteExpertWorker
         from hivemind.p2p.p2p_daemon_bindings.control import MAX_UNARY_PAYLOAD_SIZE
 
+        from hivekeeper.hivemind_ext.p2pd import Redialer, running_loop
+        from hivekeeper.runtime.reports import announced_addresses
+
         self.dht, self.run_id = dht, run_id
         self.num_blocks, self.hidden_size = num_blocks, hidden_size
         self.compression = compression
@@ -69,6 +73,9 @@ class RemoteSequence:
         self.max_request_tokens = max(1, MAX_UNARY_PAYLOAD_SIZE // (4 * hidden_size) // 2)
         self._worker = RemoteExpertWorker
         self._p2p = RemoteExpertWorker.run_coroutine(dht.replicate_p2p())
+        # a server whose call failed is dialed at the addresses it announces (another lab's cluster)
+        self._redialer = Redialer(self._p2p, RemoteExpertWorker.run_coroutine(running_loop()),
+                                  partial(announced_addresses, dht, run_id))
         self._servers: list[ServerInfo] = []
         self._by_peer: dict[str, ServerInfo] = {}
         self._refreshed = 0.0
@@ -206,6 +213,7 @@ class RemoteSequence:
         try:
             return self._worker.run_coroutine(getattr(stub, method)(request, timeout=timeout or self.request_timeout))
         except Exception as e:  # down, timed out, crashed: the caller decides what to do next
+            self._redialer.failed(peer_id)
             raise ServerError(_explain(e)) from None
 
     def call_hop(self, kind: str, hop: Hop, tensors: Sequence[torch.Tensor], metadata: dict,

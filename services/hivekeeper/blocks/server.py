@@ -361,6 +361,9 @@ class BlockServer:
             forward_rps=self.rates.get("forward_rps", 0.0), network_rps=self.rates.get("network_rps", 0.0),
             cache_tokens_left=left, direct=self.direct_address)
         protocol.announce(self.dht, self.ctx.run_id, info)
+        # the peer report names the addresses it announces: a client in another lab's cluster,
+        # whose p2p daemon cannot find this server, dials it there (hivemind_ext.p2pd.Redialer)
+        self.ctx.publish_report(self.dht, {"state": self.state.value, "start": self.span[0], "end": self.span[1]})
         self.ctx.metrics.cache_tokens_left.set(left)
         self.ctx.metrics.sessions.set(len(backend.sessions) if backend else 0)
         self.ctx.status.update(state=self.state.value, start=self.span[0], end=self.span[1], peerId=self.peer_id,

@@ -28,7 +28,7 @@ import time
 from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ from torch.autograd.function import once_differentiable
 from hivekeeper.experts.beam import beam_search, fetch_from_dht
 from hivekeeper.experts.grid import UID_DELIMITER
 from hivekeeper.hivemind_ext.moe_handler import BACKWARD, FORWARD, call_experts, to_wire
+from hivekeeper.hivemind_ext.p2pd import Redialer, running_loop
 
 # hivemind's DHT process reads its request pipe non-blocking: a request that multiprocessing
 # writes in two parts (over 16 KiB pickled) is read half, and the DHT process then dies
@@ -84,10 +85,15 @@ class ExpertClient:
     `search_cache_seconds` > 0: beam searches run in this process over the DHT's prefix entries
     kept that long (a trainer with many batches in flight searches several times a batch, and
     each search through the DHT process is a round trip of pickled requests); an expert whose
-    server died may then be chosen that much longer (its requests fail and it is left out)."""
+    server died may then be chosen that much longer (its requests fail and it is left out).
+
+    `addresses` gives the addresses each peer announces (peer ID -> multiaddrs: the swarm's
+    reports): after a message to a server fails, the client dials the server there, and its
+    next messages go over that connection (`Redialer`: a server in another lab's cluster)."""
 
     def __init__(self, dht: DHT, delay_mean: float = 0.0, seed: int | None = None,
-                 request_seconds: Histogram | None = None, search_cache_seconds: float = 0.0):
+                 request_seconds: Histogram | None = None, search_cache_seconds: float = 0.0,
+                 addresses: Callable[[], dict[str, list[str]]] | None = None):
         self.dht = dht
         self.search_cache_seconds = search_cache_seconds
         self._prefixes: dict[str, tuple[float, dict[int, ExpertInfo]]] = {}  # prefix -> (read at, entry)
@@ -95,7 +101,8 @@ class ExpertClient:
         self.request_seconds = request_seconds  # ExpertMetrics' histogram by call and outcome, in a role
         self._rng = random.Random(seed)
         self.p2p: P2P = RemoteExpertWorker.run_coroutine(dht.replicate_p2p())
-        self._loop: asyncio.AbstractEventLoop = RemoteExpertWorker.run_coroutine(_running_loop())
+        self._loop: asyncio.AbstractEventLoop = RemoteExpertWorker.run_coroutine(running_loop())
+        self._redialer = Redialer(self.p2p, self._loop, addresses) if addresses is not None else None
         self._outbox: dict[tuple[PeerID, bool], list[_Request]] = {}  # on the loop: requests not yet sent
         self.stats = CallStats()
         self.messages = 0  # messages sent (each one delay, one RPC)
@@ -160,6 +167,8 @@ class ExpertClient:
             raise  # every request of the message was cancelled, and timed as such
         except Exception as e:  # noqa: BLE001 - the whole message failed: each of its requests did
             results = [e] * len(live)
+            if self._redialer is not None:
+                self._redialer.failed(peer_id)
         for request, result in zip(live, results):
             self._settle(request, result)
 
@@ -332,10 +341,6 @@ def _messages(requests: list[_Request]) -> list[list[_Request]]:
         messages[-1].append(request)
         size += request.nbytes
     return messages
-
-
-async def _running_loop() -> asyncio.AbstractEventLoop:
-    return asyncio.get_running_loop()
 
 
 @dataclass

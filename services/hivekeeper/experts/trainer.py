@@ -24,7 +24,7 @@ from hivekeeper.experts.common import PoolContext, load_pool_context
 from hivekeeper.experts.dmoe import ExpertClient, ExpertsUnavailable
 from hivekeeper.experts.kind import SERVER, TRAINER
 from hivekeeper.experts.model import DMoEClassifier
-from hivekeeper.runtime.reports import read_peer_reports
+from hivekeeper.runtime.reports import announced_addresses, read_peer_reports
 from hivekeeper.tasks import load_task
 from hivekeeper.training.checkpoint import save_checkpoint
 from hivekeeper.training.loop import RateWindow, index_stream, peer_seed
@@ -66,7 +66,7 @@ class ExpertTrainer:
         ctx.start_endpoint()
         self.dht = ctx.make_dht(client_mode=True)  # it only calls out: servers and the DHT
         self.client = ExpertClient(self.dht, request_seconds=ctx.metrics.expert_request_seconds,
-                                   search_cache_seconds=SEARCH_CACHE_SECONDS)
+                                   search_cache_seconds=SEARCH_CACHE_SECONDS, addresses=self.announced_addresses)
         self.model = DMoEClassifier(spec, self.client)
         self.optimizer = torch_optimizer_factory(spec.trainers.optimizer)(self.model.parameters())
         self.batches = index_stream(self.task.train_size, spec.trainers.batch_size,
@@ -100,6 +100,11 @@ class ExpertTrainer:
                 history.close()
             self.dht.shutdown()
         return 0
+
+    def announced_addresses(self) -> dict[str, list[str]]:
+        """Where the expert client dials a server its p2p daemon cannot find."""
+        with self.client.dht_lock:
+            return announced_addresses(self.dht, self.ctx.run_id)
 
     def wait_for_experts(self) -> None:
         """Start once the beam search finds kBest experts: the servers are up and announced."""

@@ -1,5 +1,6 @@
 """What hivemind's P2P does not expose: p2pd's `-relayDiscovery=0` for a peer given trusted
-relays, and dialing back peers that reach this one through a relay.
+relays, dialing back peers that reach this one through a relay, and dialing a peer the daemon
+cannot find at the addresses it announces.
 
 With discovery on (p2pd's default), autorelay takes relay candidates from a peer source and
 waits for 4 of them, or for its 3-minute boot delay, before it reserves a slot anywhere; and it
@@ -13,6 +14,11 @@ after 128 KiB each way (go-libp2p's own limit for relayed connections, which p2p
 do not lift): too little for a block server whose clients send it hidden states for every token.
 p2pd's CONNECT does nothing while any connection to the peer is open, so the circuit is closed
 first, as soon as it shows up (its open streams with it: a client then retries).
+
+A client whose call to a peer fails dials that peer at the addresses its report announces
+(`Redialer`). p2pd finds a peer it never met through its own DHT, whose records hold the
+addresses the peer listens on: a pod IP, which does not route from another lab's cluster. The
+public address a peer announces (its node port, its LoadBalancer) reaches only those that dial it.
 
 `DHT` starts its P2P daemon inside its own process through `P2P.create`, which takes no extra
 daemon flags and no P2P subclass, so the flag goes in through `P2P._make_process_args`, patched
@@ -28,13 +34,14 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from hivekeeper.hivemind_ext import check_hivemind_version
 
 check_hivemind_version(__name__)
 
-__all__ = ["use_static_relays", "keep_direct_connections", "die_with_parent"]
+__all__ = ["use_static_relays", "keep_direct_connections", "die_with_parent", "dial", "Redialer", "running_loop", "WireMaddr"]
 log = logging.getLogger("hivekeeper.p2pd")
 
 
@@ -96,6 +103,84 @@ async def dial(p2p: P2P, peer_id, maddrs: Sequence[Any] = ()) -> None:
     """Open a connection to `peer_id` (at `maddrs`, or where the daemon knows it): hivemind's P2P
     has no public connect; Petals' reachability check reaches into its client the same way."""
     await p2p._client.connect(peer_id, list(maddrs))
+
+
+async def running_loop() -> asyncio.AbstractEventLoop:
+    """The event loop this coroutine runs on (`RemoteExpertWorker.run_coroutine(running_loop())`:
+    the loop of hivemind's client thread, where p2p calls run)."""
+    return asyncio.get_running_loop()
+
+
+class Redialer:
+    """After a call to a peer fails, dials the peer at the addresses it announces (`addresses`:
+    peer ID -> multiaddrs, the swarm's reports; a blocking read, run on a thread), at most once
+    every `every` seconds a peer; the next calls go over that connection. `failed` may be called
+    from any thread: the dial runs on `loop`, the one the p2p client runs on."""
+
+    def __init__(self, p2p: P2P, loop: asyncio.AbstractEventLoop, addresses: Callable[[], dict[str, list[str]]],
+                 every: float = 10.0, timeout: float = 10.0):
+        self.p2p, self.loop, self.addresses = p2p, loop, addresses
+        self.every, self.timeout = every, timeout
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def failed(self, peer_id) -> None:
+        key, now = str(peer_id), time.monotonic()
+        with self._lock:
+            if now - self._last.get(key, -self.every) < self.every:
+                return
+            self._last[key] = now
+        asyncio.run_coroutine_threadsafe(self._dial(peer_id), self.loop)
+
+    async def _dial(self, peer_id) -> None:
+        try:
+            announced = (await self.loop.run_in_executor(None, self.addresses)).get(str(peer_id)) or []
+            if announced:
+                peer = peer_id if isinstance(peer_id, PeerID) else PeerID.from_base58(peer_id)
+                suffix = f"/p2p/{peer.to_base58()}"  # dialed as that peer anyway
+                maddrs = [WireMaddr(m.removesuffix(suffix)) for m in announced]
+                await asyncio.wait_for(dial(self.p2p, peer, maddrs), self.timeout)
+                log.info("dialed a peer at its announced addresses",
+                         extra={"fields": {"peer_id": str(peer_id), "maddrs": announced}})
+            else:
+                log.info("a peer announces no addresses to dial", extra={"fields": {"peer_id": str(peer_id)}})
+        except Exception as e:  # noqa: BLE001 - unreachable now: its calls keep failing, and it is avoided
+            log.info("a peer is unreachable at its announced addresses",
+                     extra={"fields": {"peer_id": str(peer_id), "error": repr(e)}})
+
+
+class WireMaddr:
+    """A multiaddr as p2pd reads it. hivemind's Python multiaddr writes a /p2p/ value as a CID,
+    go-multiaddr reads the bare multihash: a relay's /p2p/ID/p2p-circuit address would not
+    parse. Anything with to_bytes() does for hivemind's daemon client."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+    def to_bytes(self) -> bytes:
+        head, *rest = self.text.split("/p2p/")
+        encoded = Multiaddr(head).to_bytes() if head else b""
+        for part in rest:
+            peer, _, tail = part.partition("/")
+            multihash = PeerID.from_base58(peer).to_bytes()
+            encoded += _varint(P2P_CODE) + _varint(len(multihash)) + multihash
+            encoded += Multiaddr("/" + tail).to_bytes() if tail else b""
+        return encoded
+
+
+P2P_CODE = 421  # the multicodec of /p2p/
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
 
 
 async def hang_up(p2p: P2P, peer_id) -> None:

@@ -24,6 +24,13 @@ def read_peer_reports(dht, run_id: str) -> list[dict[str, Any]]:
     return reports
 
 
+def announced_addresses(dht, run_id: str) -> dict[str, list[str]]:
+    """Each live peer's announced multiaddrs by peer ID (its report's): where a client dials a
+    peer its p2p daemon cannot find (`hivemind_ext.p2pd.Redialer`)."""
+    return {r["peerId"]: [str(m) for m in r.get("maddrs") or []]
+            for r in read_peer_reports(dht, run_id) if isinstance(r.get("peerId"), str)}
+
+
 def read_stop(dht, run_id: str) -> dict[str, Any] | None:
     found = dht.get(run_id + STOP_KEY, latest=True)
     return found.value if found is not None else None

@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence, Union
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from hivekeeper.hivemind_ext.p2pd import dial, hang_up
+from hivekeeper.hivemind_ext.p2pd import WireMaddr, dial, hang_up
 from hivekeeper.hivemind_ext.streams import hang_up_after_caller
 
 log = logging.getLogger("hivekeeper.reachability")
@@ -190,37 +190,3 @@ async def _receive(reader: asyncio.StreamReader) -> bytes:
 
 def is_relayed(maddr: Union[str, Multiaddr]) -> bool:
     return "/p2p-circuit" in str(maddr)
-
-
-class WireMaddr:
-    """A multiaddr as p2pd reads it. hivemind's Python multiaddr writes a /p2p/ value as a CID,
-    go-multiaddr reads the bare multihash: a relay's /p2p/ID/p2p-circuit address would not
-    parse. Anything with to_bytes() does for hivemind's daemon client."""
-
-    def __init__(self, text: str):
-        self.text = text
-
-    def __str__(self) -> str:
-        return self.text
-
-    def to_bytes(self) -> bytes:
-        head, *rest = self.text.split("/p2p/")
-        encoded = Multiaddr(head).to_bytes() if head else b""
-        for part in rest:
-            peer, _, tail = part.partition("/")
-            multihash = PeerID.from_base58(peer).to_bytes()
-            encoded += _varint(P2P_CODE) + _varint(len(multihash)) + multihash
-            encoded += Multiaddr("/" + tail).to_bytes() if tail else b""
-        return encoded
-
-
-P2P_CODE = 421  # the multicodec of /p2p/
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
