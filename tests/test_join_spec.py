@@ -92,6 +92,26 @@ def test_a_host_owned_field_is_refused_at_apply_and_by_the_model(kind, path):
     assert model_error(hosting) is None, "the same field is the host's to set"
 
 
+def test_a_joining_pool_runs_trainers_only_if_it_asks():
+    """An ExpertPool's trainers default to one where it hosts, none where it joins (a lab may
+    contribute servers only): the API server stores no count, the model decides by spec.join."""
+    from hivekeeper.spec.manifest import parse_manifest
+
+    joining = document("ExpertPool", {"join": JOIN, "servers": {"replicas": 1}})
+    hosting = document("ExpertPool", {})
+    for doc in (joining, hosting):
+        assert "replicas" not in stored("ExpertPool", doc)["spec"]["trainers"]
+        assert cel_failures(doc) == [] and model_error(doc) is None
+    assert parse_manifest(joining).spec.trainers.replicas == 0
+    assert parse_manifest(hosting).spec.trainers.replicas == 1
+    asked = document("ExpertPool", {"join": JOIN, "trainers": {"replicas": 2}})
+    assert parse_manifest(asked).spec.trainers.replicas == 2
+    none = document("ExpertPool", {"trainers": {"replicas": 0}})
+    assert cel_failures(none) == ["spec.trainers.replicas: a pool needs a trainer (only one that joins another "
+                                  "may have none)"]
+    assert "a pool needs a trainer" in (model_error(none) or "")
+
+
 def test_every_host_owned_rule_has_a_bad_manifest():
     """A rule no case breaks could drift from the model's check unnoticed."""
     broken, rules = set(), set()

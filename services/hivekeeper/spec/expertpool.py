@@ -118,8 +118,10 @@ class DMoESpec(SpecModel):
 
 
 class ExpertTrainerSpec(SpecModel):
-    replicas: int = Field(1, ge=0, description="trainers; each has its own gating and local layers, the experts are "
-                                               "shared (none only in a pool that joins another: spec.join)")
+    replicas: Optional[int] = Field(
+        None, ge=0, description="trainers; each has its own gating and local layers, the experts are shared. "
+                                "Default: 1 in a pool that hosts, none in one that joins another (spec.join), "
+                                "which may run trainers only if it asks for them")
     batch_size: int = Field(32, ge=1, description="examples per trainer batch")
     batches_in_flight: int = Field(4, ge=1, le=256, description="asynchronous training: batches processed concurrently")
     optimizer: OptimizerSpec = Field(default_factory=lambda: OptimizerSpec(learning_rate=3e-3),
@@ -176,7 +178,7 @@ class ExpertPoolSpec(SpecModel):
         lab_roles_rule(LAB_ROLES, "ExpertPool"),
         *(node_port_rule(group) for group in DIALED),
         *(not_client_only_rule(group, why) for group, why in DIALED.items()),
-        CelRule("has(self.join) || self.trainers.replicas >= 1",
+        CelRule("has(self.join) || !has(self.trainers.replicas) || self.trainers.replicas >= 1",
                 "a pool needs a trainer (only one that joins another may have none)", ".trainers.replicas"),
         CelRule("self.task.name == 'digits'", "ExpertPool trainers learn the digits task", ".task.name"),
         # the task's options: the operator checks them (InvalidSpec)
@@ -195,6 +197,8 @@ class ExpertPoolSpec(SpecModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "ExpertPoolSpec":
+        if self.trainers.replicas is None:  # left out: the default depends on whether the pool joins
+            self.trainers.replicas = 0 if self.join is not None else 1
         if self.task.name != "digits":
             raise ValueError(f"task.name: ExpertPool trainers learn the digits task (got {self.task.name!r})")
         from hivekeeper.tasks import check_task_options  # imports torch: only once the rest is valid
