@@ -22,7 +22,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 import yaml
@@ -140,12 +140,15 @@ class Cluster:
         args = ["logs", pod, "-n", namespace] + (["--previous"] if previous else [])
         return self.kubectl(*args, check=False).stdout
 
-    def describe_failure(self, namespace: str = NAMESPACE) -> str:
-        """What a person would look at when a wait fails: pods, events, the operator's log."""
+    def describe_failure(self, namespace: str = NAMESPACE, components: Sequence[str] = ()) -> str:
+        """What a person would look at when a wait fails: pods, events, the operator's log, and
+        the logs of the pods of each of `components` (`expert-trainer`)."""
         parts = [self.kubectl("get", "all", "-n", namespace, "-o", "wide", check=False).stdout,
                  self.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False).stdout[-3000:],
                  self.kubectl("logs", "-n", OPERATOR_NAMESPACE, operator_pod(self)["metadata"]["name"], "--tail=40",
                               check=False).stdout]
+        parts += [self.kubectl("logs", "-n", namespace, "-l", f"hivekeeper.dev/component={component}", "--tail=60",
+                               "--prefix", check=False).stdout for component in components]
         return "\n".join(parts)
 
 
@@ -244,6 +247,33 @@ def hivekeeper(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         written = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         raise AssertionError(f"hivekeeper {args[0]} still running after {timeout:.0f} s; "
                              f"it wrote: {written[-3000:]}") from None
+
+
+INVITE_SECRET = "lab-a-invite"  # where a joining lab keeps the invite the host minted for it
+
+
+def joining(kind: str, name: str, gateway: str, **spec: Any) -> dict[str, Any]:
+    """A lab's joining resource: its own part (`spec`), the rest from the host at `gateway`."""
+    return {"apiVersion": "hivekeeper.dev/v1alpha1", "kind": kind, "metadata": {"name": name},
+            "spec": {"join": {"gateway": gateway, "inviteSecret": INVITE_SECRET}, **spec}}
+
+
+@contextmanager
+def lab_joined(host: Cluster, resource: str, lab: Cluster, identity: str, part: dict[str, Any],
+               tmp_path: Path) -> Iterator[None]:
+    """Lab `identity` joins the host's `resource` from cluster `lab`: the host mints its invite,
+    the lab keeps it in INVITE_SECRET and applies `part` (`joining`); both are deleted after."""
+    invite = hivekeeper("invite", "--key-file", str(swarm_key(host, resource, tmp_path)), "--identity", identity)
+    assert invite.returncode == 0, invite.stderr
+    try:
+        lab.kubectl("create", "secret", "generic", INVITE_SECRET, "-n", NAMESPACE,
+                    f"--from-literal=invite={invite.stdout.strip()}")
+        lab.apply(part)
+        yield
+    finally:
+        lab.kubectl("delete", part["kind"].lower(), part["metadata"]["name"], "-n", NAMESPACE, "--wait=true",
+                    timeout=300, check=False)
+        lab.kubectl("delete", "secret", INVITE_SECRET, "-n", NAMESPACE, check=False)
 
 
 @contextmanager

@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from e2e.support import NAMESPACE, Cluster, applied, example, hivekeeper, swarm_key, wait_for
+from e2e.support import (INVITE_SECRET, NAMESPACE, Cluster, applied, example, hivekeeper, joining, lab_joined,
+                          swarm_key, wait_for)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -56,12 +57,12 @@ def manifest(host: str) -> dict[str, Any]:
     }})
 
 
-def joining(gateway: str, host: str, **spec: Any) -> dict[str, Any]:
+def lab_part(gateway: str, host: str, **spec: Any) -> dict[str, Any]:
     """Lab B's Swarm: its part only, exposed at its own public address `host`; the rest from the
     host lab."""
-    return {"apiVersion": "hivekeeper.dev/v1alpha1", "kind": "Swarm", "metadata": {"name": "digits-part"},
-            "spec": {"join": {"gateway": gateway, "inviteSecret": "lab-a-invite"}, **exposed(host),
-                     "trainers": {"replicas": 1, "resources": TINY, **exposed(host)["trainers"]}, **spec}}
+    ports = exposed(host)
+    return joining("Swarm", "digits-part", gateway, **{
+        **ports, "trainers": {"replicas": 1, "resources": TINY, **ports["trainers"]}, **spec})
 
 
 def test_open_swarm_trains_with_every_rpc_admitted(cluster: Cluster, release: str, lab_b: Cluster, tmp_path: Path):
@@ -94,16 +95,10 @@ def test_open_swarm_trains_with_every_rpc_admitted(cluster: Cluster, release: st
 
 
 def lab_b_joins(cluster: Cluster, lab_b: Cluster, gateway: str, tmp_path: Path) -> None:
-    refused = lab_b.apply(joining(gateway, lab_b.public_ip, averaging={"mode": "diloco"}), check=False)
+    refused = lab_b.apply(lab_part(gateway, lab_b.public_ip, averaging={"mode": "diloco"}), check=False)
     assert refused.returncode != 0 and "spec.averaging: Invalid value" in refused.stderr \
         and "a joining Swarm takes this from the host (spec.join); remove it" in refused.stderr, refused.stderr
-    invite = hivekeeper("invite", "--key-file", str(swarm_key(cluster, NAME, tmp_path)), "--identity", LAB)
-    assert invite.returncode == 0, invite.stderr
-    try:
-        lab_b.kubectl("create", "secret", "generic", "lab-a-invite", "-n", NAMESPACE,
-                      f"--from-literal=invite={invite.stdout.strip()}")
-        lab_b.apply(joining(gateway, lab_b.public_ip))
-
+    with lab_joined(cluster, NAME, lab_b, LAB, lab_part(gateway, lab_b.public_ip), tmp_path):
         def part() -> dict[str, Any]:
             return lab_b.status("swarm", "digits-part")
 
@@ -149,8 +144,8 @@ def lab_b_joins(cluster: Cluster, lab_b: Cluster, gateway: str, tmp_path: Path) 
         from hivekeeper.auth.tokens import mint_invite
 
         other = mint_invite(RSAPrivateKey(), LAB, time.time() + 3600)
-        lab_b.kubectl("delete", "secret", "lab-a-invite", "-n", NAMESPACE)
-        lab_b.kubectl("create", "secret", "generic", "lab-a-invite", "-n", NAMESPACE, f"--from-literal=invite={other}")
+        lab_b.kubectl("delete", "secret", INVITE_SECRET, "-n", NAMESPACE)
+        lab_b.kubectl("create", "secret", "generic", INVITE_SECRET, "-n", NAMESPACE, f"--from-literal=invite={other}")
         stopped = wait_for(lambda: joined(s := part()).get("reason") == "GatewayKeyMismatch" and s, 120,
                            "Joined: GatewayKeyMismatch")
         assert stopped["phase"] == "Pending" and not lab_b.pods("hivekeeper.dev/swarm=digits-part")
@@ -158,6 +153,4 @@ def lab_b_joins(cluster: Cluster, lab_b: Cluster, gateway: str, tmp_path: Path) 
         assert "InviteRefused" in events and "GatewayKeyMismatch" in events
         step = cluster.status("swarm", NAME).get("globalStep", 0)
         wait_for(lambda: cluster.status("swarm", NAME).get("globalStep", 0) > step, 120, "the host to train on")
-    finally:
-        lab_b.kubectl("delete", "swarm", "digits-part", "-n", NAMESPACE, "--wait=true", timeout=300, check=False)
-        lab_b.kubectl("delete", "secret", "lab-a-invite", "-n", NAMESPACE, check=False)
+
