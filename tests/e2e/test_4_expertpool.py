@@ -51,7 +51,7 @@ def exposed(host: str, **servers: Any) -> dict[str, Any]:
 def test_a_lab_serves_experts_to_the_hosts_trainer(cluster: Cluster, release: str, lab_b: Cluster, tmp_path: Path):
     """Lab A's two servers hold 8 of the 16 experts; lab B's one server, joined from its own
     cluster, holds 4 more: the host's trainer counts them alive and trains on through them, and
-    lab B's server serves its requests."""
+    lab B's server serves its requests. Lab B's pool deleted, the host's trainer trains on."""
     tiny = {"cpu": "100m", "memory": "1Gi"}  # pods sized to a 2-core node
     host = cluster.public_ip
     manifest = example("expertpool-volunteers.yaml", {"metadata": {"name": NAME}, "spec": {
@@ -84,4 +84,9 @@ def test_a_lab_serves_experts_to_the_hosts_trainer(cluster: Cluster, release: st
                           if c["type"] == "Joined")
             assert joined["status"] == "True", joined
             assert not lab_b.pods("hivekeeper.dev/swarm=digits-moe-part,hivekeeper.dev/component=expert-trainer")
+        # lab B leaves mid-run (its pool deleted, its pods gone): the host's trainer steps on
+        wait_for(lambda: not lab_b.pods("hivekeeper.dev/swarm=digits-moe-part"), 180, "lab B's pods to go")
+        step = cluster.status("expertpool", NAME)["step"]
+        wait_for(lambda: cluster.status("expertpool", NAME).get("step", 0) >= step + 10, 120,
+                 "the host's trainer to step on with lab B gone", interval=2)
     assert status["phase"] == "Running", status
