@@ -211,6 +211,26 @@ def lab_b(cluster: Cluster) -> Iterator[Cluster]:
     uninstall_release(b)
 
 
+@contextmanager
+def partitioned() -> Iterator[None]:
+    """No packet crosses the WAN between the labs until the block ends (a rule that drops all
+    the WAN namespace forwards, ahead of the delay line's)."""
+    def wan_iptables(*args: str) -> None:
+        subprocess.run(["ip", "netns", "exec", WAN.name, "iptables", "-w", *args], check=True)
+
+    wan_iptables("-I", "FORWARD", "1", "-j", "DROP")
+    try:
+        yield
+    finally:
+        wan_iptables("-D", "FORWARD", "-j", "DROP")
+
+
+def restarts(cluster: Cluster, selector: str) -> int:
+    """Container restarts of the pods `selector` picks: a crash loop shows here."""
+    return sum(s.get("restartCount", 0) for pod in cluster.pods(selector)
+               for s in (pod.get("status") or {}).get("containerStatuses") or [])
+
+
 def logged_entry(log: str, msg: str) -> dict[str, Any] | None:
     """The last structured (JSON) log entry with this message."""
     for line in reversed(log.splitlines()):

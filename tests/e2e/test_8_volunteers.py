@@ -11,9 +11,9 @@ the labs: each lab's backbone and trainers announce their node's public address 
 as labs that pool clusters expose them. A manifest that sets a host-owned field is refused at
 apply; the joining Swarm's trainer trains in the host's swarm (the host's status counts the lab's
 peers and samples) and its status shows the swarm's figures and Joined; both labs train on with
-lab A's backbone pod deleted; lab A revoking lab B,
-then an invite of another swarm, stop the lab's peers with the reason in Joined, the host
-unharmed."""
+lab A's backbone pod deleted; a partition between the labs shows in lab B's Joined while its pods
+run on, and both labs train on once it heals; lab A revoking lab B, then an invite of another
+swarm, stop the lab's peers with the reason in Joined, the host unharmed."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from e2e.support import (INVITE_SECRET, NAMESPACE, Cluster, applied, example, hivekeeper, joining, lab_joined,
-                          swarm_key, wait_for)
+                          partitioned, restarts, swarm_key, wait_for)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -126,6 +126,21 @@ def lab_b_joins(cluster: Cluster, lab_b: Cluster, gateway: str, tmp_path: Path) 
             wait_for(lambda: cluster.status("swarm", NAME).get("globalStep", 0) >= step_a + 3
                      and part().get("globalStep", 0) >= step_b + 3, 240,
                      "both labs' statuses to count 3 more steps with lab A's backbone deleted")
+
+            # A partition between the labs: lab B's condition says so at its next probe and its
+            # pods run on, none restarted; healed, lab B is Joined again and both labs train on.
+            selector = "hivekeeper.dev/swarm=digits-part"
+            restarted = restarts(lab_b, selector)
+            with partitioned():
+                wait_for(lambda: joined(part()).get("reason") == "GatewayUnreachable", 180,
+                         "Joined: GatewayUnreachable across the partition")
+                assert lab_b.pods(selector), "a partition stopped lab B's pods"
+            wait_for(lambda: joined(part()).get("status") == "True", 120, "Joined again once the partition heals")
+            step_a, step_b = cluster.status("swarm", NAME)["globalStep"], part()["globalStep"]
+            wait_for(lambda: cluster.status("swarm", NAME).get("globalStep", 0) >= step_a + 3
+                     and part().get("globalStep", 0) >= step_b + 3, 240,
+                     "both labs' statuses to count 3 more steps after the partition")
+            assert restarts(lab_b, selector) == restarted, "lab B's pods restarted across the partition"
         except AssertionError:
             print(lab_b.describe_failure())
             raise
